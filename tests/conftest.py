@@ -9,6 +9,17 @@ from pathlib import Path
 
 import pytest
 
+# Without a GPU the Triton kernels run under Triton's interpreter, which must be on before the
+# first `import triton` anywhere in this process (torch._dynamo and transformers import it early).
+# vLLM's CPU path runs no Triton kernels, so its engines are unaffected.
+try:
+    import torch as _torch
+
+    if not _torch.cuda.is_available():
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+except ImportError:
+    pass
+
 SHARED = Path(__file__).resolve().parents[2] / "shared"
 SPEC_BENCH = SHARED / "data" / "spec_bench" / "question.jsonl"
 

@@ -1,1 +1,1 @@
-"""Filled in by later commits."""
+

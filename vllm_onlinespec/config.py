@@ -1,0 +1,343 @@
+"""Configuration of the online drafter learner: one validated pydantic model.
+
+`OnlineSpecConfig.from_any(obj)` is the single entry point (None, dict, JSON text, a path to a
+.json file, or an instance). Every range lives in the Field constraints and is repeated in the
+description, so `--help` style listings and error messages agree. Invalid input raises
+`ConfigError` with one line per call, naming each bad field by its dotted path, e.g.
+
+    onlinespec.lr: must be > 0 (got -1)
+
+The model is frozen: it is shared by the serving thread and the learner thread, so nobody may
+mutate it under the other's feet. Use `cfg.model_copy(update=...)` + `from_any` to derive one.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Annotated, Any, Literal, get_args
+
+import annotated_types as at
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+ROOT = "onlinespec"
+
+Algorithm = Literal["ogd", "optimistic", "optimistic_momentum", "ensemble"]
+Beta = Annotated[float, Field(ge=0.0, lt=1.0)]
+
+
+class ConfigError(ValueError):
+    """Invalid online-speculation configuration; str(e) is one line naming the field(s)."""
+
+
+class _Section(BaseModel):
+    # inf/nan are never meaningful here; rejecting them keeps every range check honest.
+    model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True,
+                              allow_inf_nan=False)
+
+
+class BufferConfig(_Section):
+    max_requests: int = Field(
+        64, ge=1, description="requests whose context windows are held at once (>= 1); the least "
+        "recently updated one is evicted first (finished requests before running ones)")
+    window_tokens: int = Field(
+        512, ge=1, description="per-request sliding context window, in tokens (>= 1): training "
+        "blocks see at most this much committed context")
+    max_tokens: int = Field(
+        32768, ge=1, description="total tokens held across all requests (>= window_tokens); "
+        "bounds memory: each token carries its aux features and target hidden state")
+    max_records: int = Field(
+        16384, ge=1, description="total feedback records (one per request per engine step) held "
+        "across all requests (>= 1)")
+
+    @model_validator(mode="after")
+    def _window_fits(self) -> "BufferConfig":
+        if self.window_tokens > self.max_tokens:
+            raise ValueError(
+                f"window_tokens ({self.window_tokens}) must be <= max_tokens ({self.max_tokens})")
+        return self
+
+
+class PublishConfig(_Section):
+    every_n_updates: int = Field(
+        1, ge=1, description="publish new draft weights (version += 1) after this many "
+        "successful learner updates (>= 1)")
+    kv_policy: Literal["tolerate", "recompute"] = Field(
+        "tolerate", description="what happens to draft KV already cached for requests in flight "
+        "when weights change: 'tolerate' keeps the stale KV (output stays lossless, those "
+        "requests draft somewhat worse until they finish); 'recompute' re-projects the stored "
+        "context features through the new weights before the next draft (costs one drafter "
+        "context pass per running request)")
+
+
+class CheckpointConfig(_Section):
+    dir: str | None = Field(
+        None, description="directory for atomic learner checkpoints (None = no checkpoints)")
+    every_n_versions: int = Field(
+        100, ge=1, description="write a checkpoint every this many published versions (>= 1)")
+    keep_last: int = Field(
+        3, ge=1, description="complete checkpoints kept; older ones are deleted (>= 1)")
+
+
+class LossConfig(_Section):
+    alpha: float = Field(
+        0.8, ge=0.0, le=1.0, description="weight of the distillation term against the "
+        "target's distribution; 1 - alpha weights cross-entropy on committed tokens (in [0, 1])")
+    temperature: float = Field(
+        1.0, gt=0.0, description="softmax temperature applied to target and draft logits (> 0)")
+    gamma: float = Field(
+        7.0, gt=0.0, description="decay of the per-position weight inside a block, "
+        "w_k = exp(-(k-1)/gamma), in block positions (> 0)")
+    clip: float | None = Field(
+        None, gt=0.0, description="clip each token's loss at this value, in nats (> 0; None = "
+        "no clip); bounds the pull of a single surprising token")
+    mode: Literal["reverse_kl", "forward_kl", "ce"] = Field(
+        "reverse_kl", description="distillation divergence: 'reverse_kl' KL(draft||target), "
+        "'forward_kl' KL(target||draft), 'ce' cross-entropy on committed tokens only")
+
+
+class LengthHeadConfig(_Section):
+    policy: Literal["fixed", "adaflash", "budget"] = Field(
+        "fixed", description="verify-length policy: 'fixed' verifies all K drafted tokens, "
+        "'adaflash' cuts each request's draft where the length head's predicted acceptance "
+        "stops paying, 'budget' shares a per-step verify-token budget across requests")
+    rho: float = Field(
+        1.0, gt=0.0, description="cost of verifying one draft token relative to the value of "
+        "one accepted token (> 0, dimensionless); larger cuts drafts shorter")
+    k_min: int = Field(
+        1, ge=1, description="never cut a draft below this many tokens (>= 1)")
+    train: bool = Field(
+        True, description="train the length head online from accept/reject feedback")
+
+
+class OnlineSpecConfig(_Section):
+    """Root configuration of online speculative decoding (`--onlinespec-config` JSON)."""
+
+    enabled: bool = Field(True, description="learn online while serving (False = frozen drafter)")
+    drafter: str | None = Field(
+        None, description="path of the DFlash drafter checkpoint to start from (HF folder)")
+
+    # -- update rule ------------------------------------------------------------------------
+    algorithm: Algorithm = Field(
+        "ogd", description="online update rule: 'ogd' (AdamW with persistent state), "
+        "'optimistic' (optimistic OGD, hint 2g_t - g_{t-1}, RMS-preconditioned), "
+        "'optimistic_momentum' (optimistic Adam: correction on the persistent momentum), "
+        "'ensemble' (Hedge over learners with ensemble_lrs)")
+    lr: float = Field(1e-4, gt=0.0, description="learning rate, per update (> 0)")
+    weight_decay: float = Field(
+        0.0, ge=0.0, description="decoupled weight decay per update, relative to lr (>= 0)")
+    betas: tuple[Beta, Beta] = Field(
+        (0.9, 0.999), description="Adam moment decays (beta1, beta2), each in [0, 1)")
+    eps: float = Field(1e-8, gt=0.0, description="Adam denominator epsilon (> 0)")
+    grad_clip: float | None = Field(
+        1.0, gt=0.0, description="clip the global gradient L2 norm to this value (> 0; None = "
+        "no clip)")
+    ensemble_lrs: list[Annotated[float, Field(gt=0.0)]] = Field(
+        [3e-5, 1e-4, 3e-4], min_length=1, description="learning rates of the Hedge ensemble "
+        "members, one learner each (each > 0; algorithm 'ensemble' needs >= 2)")
+    hedge_eps: float = Field(
+        0.1, gt=0.0, description="Hedge learning rate, per unit of accumulated loss (> 0): "
+        "weights p_i ~ exp(-hedge_eps * L_i)")
+
+    # -- what one update sees ---------------------------------------------------------------
+    batch_blocks: int = Field(
+        16, ge=1, description="training blocks (anchor + K predicted tokens) per update (>= 1)")
+    anchors_per_request: int = Field(
+        4, ge=1, description="at most this many block anchors drawn from one request's fresh "
+        "tokens per update (>= 1)")
+    min_new_tokens_per_update: int = Field(
+        16, ge=1, description="wait until the buffer holds at least this many fresh (untrained) "
+        "tokens before an update (>= 1)")
+
+    # -- how hard the learner may run -------------------------------------------------------
+    update_interval_s: float = Field(
+        0.0, ge=0.0, description="minimum seconds between the starts of two updates (>= 0)")
+    max_updates_per_s: float | None = Field(
+        None, gt=0.0, description="cap on updates per second (> 0; None = no cap)")
+    learner_threads: int = Field(
+        1, ge=1, description="torch intra-op threads of the learner thread (>= 1); on a 2-core "
+        "box the learner competes with serving, keep it at 1")
+    learner_cpu_share: float = Field(
+        0.5, gt=0.0, le=1.0, description="fraction of wall time the learner may be busy, in "
+        "(0, 1]; enforced by sleeping after each update in proportion to its duration")
+
+    trace_dir: str | None = Field(
+        None, description="write what vLLM's drafter computed at every step (block positions, "
+        "mask-row hidden states) to this directory, for parity checks (None = off)")
+
+    buffer: BufferConfig = Field(default_factory=BufferConfig, description="feedback buffer")
+    publish: PublishConfig = Field(default_factory=PublishConfig, description="weight publishing")
+    checkpoint: CheckpointConfig = Field(
+        default_factory=CheckpointConfig, description="learner checkpoints")
+    loss: LossConfig = Field(default_factory=LossConfig, description="online training loss")
+    length_head: LengthHeadConfig = Field(
+        default_factory=LengthHeadConfig, description="verify-length head and policy")
+
+    @model_validator(mode="after")
+    def _ensemble_needs_members(self) -> "OnlineSpecConfig":
+        if self.algorithm == "ensemble" and len(self.ensemble_lrs) < 2:
+            raise ValueError(
+                f"algorithm 'ensemble' needs >= 2 ensemble_lrs (got {len(self.ensemble_lrs)})")
+        return self
+
+    # -- construction ---------------------------------------------------------------------------
+    @classmethod
+    def from_any(cls, obj: Any = None) -> "OnlineSpecConfig":
+        """Build a validated config from None (defaults), a dict, JSON text, a .json path, or an
+        instance (re-validated, so a `model_copy(update=...)` cannot smuggle in bad values)."""
+        if obj is None:
+            data: Any = {}
+        elif isinstance(obj, cls):
+            data = obj.model_dump()
+        elif isinstance(obj, dict):
+            data = obj
+        elif isinstance(obj, (str, bytes, os.PathLike)):
+            data = _parse_text(obj)
+        else:
+            raise ConfigError(
+                f"{ROOT}: expected None, a dict, JSON text or an OnlineSpecConfig "
+                f"(got {type(obj).__name__})")
+        if not isinstance(data, dict):
+            raise ConfigError(f"{ROOT}: expected a JSON object (got {type(data).__name__})")
+        try:
+            return cls.model_validate(data)
+        except ValidationError as e:
+            raise ConfigError(format_validation_error(e, cls)) from None
+
+    def to_json(self) -> str:
+        return self.model_dump_json()
+
+
+def _parse_text(obj: str | bytes | os.PathLike) -> Any:
+    if isinstance(obj, os.PathLike) or (
+            isinstance(obj, str) and obj.strip().endswith(".json")
+            and not obj.lstrip().startswith("{")):
+        path = os.fspath(obj)
+        try:
+            with open(path, encoding="utf-8") as f:
+                text = f.read()
+        except OSError as e:
+            raise ConfigError(f"{ROOT}: cannot read config file {path!r}: {e.strerror}") from None
+    else:
+        text = obj.decode() if isinstance(obj, bytes) else obj
+    if not text.strip():
+        return {}
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ConfigError(
+            f"{ROOT}: invalid JSON at line {e.lineno} column {e.colno}: {e.msg}") from None
+
+
+# -- one-line error messages ----------------------------------------------------------------------
+
+
+def _path(loc: tuple[Any, ...]) -> str:
+    out = ROOT
+    for part in loc:
+        out += f"[{part}]" if isinstance(part, int) else f".{part}"
+    return out
+
+
+def _field_info(model: type[BaseModel], loc: tuple[Any, ...]):
+    """FieldInfo of the section field at `loc` (walking nested sections), or None."""
+    info = None
+    cur: Any = model
+    for part in loc:
+        if isinstance(part, int) or not (isinstance(cur, type) and issubclass(cur, BaseModel)):
+            return None
+        info = cur.model_fields.get(part)
+        if info is None:
+            return None
+        cur = info.annotation
+    return info
+
+
+def _constraints(model: type[BaseModel], loc: tuple[Any, ...]) -> list:
+    """annotated_types constraints that apply at `loc`, including list/tuple items."""
+    n = len(loc)
+    while n and isinstance(loc[n - 1], int):
+        n -= 1
+    info = _field_info(model, loc[:n])
+    if info is None:
+        return []
+    if n == len(loc):
+        return list(info.metadata)
+    # An item: its constraints sit in Annotated[...] metadata of the container's type args.
+    args = get_args(info.annotation)
+    idx = loc[n]
+    item = args[idx] if len(args) > 1 and idx < len(args) else (args[0] if args else None)
+    return list(getattr(item, "__metadata__", ())) if item is not None else []
+
+
+def _fmt_num(x: Any) -> str:
+    if isinstance(x, float) and x.is_integer():
+        return str(int(x))
+    return repr(x)
+
+
+def _range_of(constraints: list) -> str | None:
+    lo = hi = None
+    flat = []
+    for m in constraints:  # a Field(...) inside Annotated carries its constraints as metadata
+        flat.extend(getattr(m, "metadata", None) or [m])
+    for m in flat:
+        if isinstance(m, at.Gt):
+            lo = ("(", m.gt)
+        elif isinstance(m, at.Ge):
+            lo = ("[", m.ge)
+        elif isinstance(m, at.Lt):
+            hi = (")", m.lt)
+        elif isinstance(m, at.Le):
+            hi = ("]", m.le)
+    if lo and hi:
+        return f"must be in {lo[0]}{_fmt_num(lo[1])}, {_fmt_num(hi[1])}{hi[0]}"
+    if lo:
+        return f"must be {'>' if lo[0] == '(' else '>='} {_fmt_num(lo[1])}"
+    if hi:
+        return f"must be {'<' if hi[0] == ')' else '<='} {_fmt_num(hi[1])}"
+    return None
+
+
+def _got(value: Any) -> str:
+    s = repr(value)
+    return s if len(s) <= 60 else s[:57] + "..."
+
+
+def _one(err: dict, model: type[BaseModel]) -> str:
+    loc = tuple(err.get("loc", ()))
+    kind = err.get("type", "")
+    ctx = err.get("ctx") or {}
+    # pydantic puts a union member's name into loc ("float", "none"): drop those tags.
+    loc = tuple(p for p in loc if isinstance(p, int) or p not in ("float", "int", "none", "str"))
+    path = _path(loc)
+    cons = _constraints(model, loc)
+    if kind in ("greater_than", "greater_than_equal", "less_than", "less_than_equal"):
+        rng = _range_of(cons)
+        if rng is None:
+            op = {"greater_than": ">", "greater_than_equal": ">=", "less_than": "<",
+                  "less_than_equal": "<="}[kind]
+            bound = next(iter(ctx.values()), "?")
+            rng = f"must be {op} {_fmt_num(bound)}"
+        return f"{path}: {rng} (got {_got(err.get('input'))})"
+    if kind == "literal_error":
+        return f"{path}: must be one of {ctx.get('expected')} (got {_got(err.get('input'))})"
+    if kind == "extra_forbidden":
+        parent = _field_info(model, loc[:-1]) if len(loc) > 1 else None
+        owner = parent.annotation if parent is not None else (model if len(loc) == 1 else None)
+        allowed = ", ".join(owner.model_fields) if isinstance(owner, type) else ""
+        return f"{path}: unknown field" + (f" (allowed: {allowed})" if allowed else "")
+    if kind == "missing":
+        return f"{path}: required field missing"
+    if kind == "value_error":
+        msg = str(ctx.get("error", err.get("msg", "")))
+        return f"{path}: {msg}"
+    msg = err.get("msg") or kind
+    rng = _range_of(cons)
+    suffix = f"; {rng}" if rng else ""
+    return f"{path}: {msg[0].lower() + msg[1:]}{suffix} (got {_got(err.get('input'))})"
+
+
+def format_validation_error(e: ValidationError, model: type[BaseModel] = OnlineSpecConfig) -> str:
+    """All errors of `e` on one line, '; '-separated, each 'onlinespec.<path>: <rule> (got x)'."""
+    return "; ".join(_one(err, model) for err in e.errors(include_url=False)).replace("\n", " ")

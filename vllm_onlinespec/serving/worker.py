@@ -1,0 +1,37 @@
+"""`vllm_onlinespec.SpecDecodeWorker`: vLLM's CPU or GPU worker with the online-learning runner.
+
+Select it with `--worker-cls vllm_onlinespec.SpecDecodeWorker` (or `LLM(worker_cls=...)`) and
+configure it with `--additional-config '{"onlinespec": {...}}'`.
+"""
+
+from __future__ import annotations
+
+from vllm_onlinespec.serving import compat
+from vllm_onlinespec.serving.runner import runner_class
+
+_Base = compat.base_worker_class()
+
+
+class SpecDecodeWorker(_Base):  # type: ignore[misc, valid-type]
+    """A worker whose model runner feeds verification feedback to an online learner."""
+
+    def init_device(self):
+        runner_cls = runner_class(compat.base_runner_class())
+        if compat.is_cpu():
+            with compat.cpu_worker_builds(runner_cls):
+                return super().init_device()
+        return super().init_device()
+
+    def _make_model_runner(self):  # GPU worker hook (gpu_worker.py:563)
+        if compat.use_v2_runner():
+            raise RuntimeError("vllm_onlinespec.SpecDecodeWorker needs vLLM's V1 model runner; "
+                               "unset VLLM_USE_V2_MODEL_RUNNER")
+        return runner_class(compat.base_runner_class())(self.vllm_config, self.device)
+
+    def shutdown(self) -> None:
+        runner = getattr(self, "model_runner", None)
+        if runner is not None and hasattr(runner, "shutdown_onlinespec"):
+            runner.shutdown_onlinespec()
+        parent = getattr(super(), "shutdown", None)
+        if parent is not None:
+            parent()

@@ -1,0 +1,189 @@
+"""One training step on DFlash blocks, shared by the offline trainer and the online learner.
+
+A block is anchored at a committed token a: the drafter sees the target's features of positions
+< a, the token ids[a] and K mask rows, and predicts ids[a+1 .. a+K]. Draft row k (1..K) is
+distilled towards the target's own next-token distribution at that position, which the target
+computed from position a+k-1: logits = final_hidden[a+k-1] @ lm_head.T.
+
+Greedy acceptance here means what greedy verification would accept: the leading draft tokens
+equal to the target's argmax. The target's argmax at row k is only known along the sequence we
+have, so past a row where the data itself left the target's greedy path (sampled responses,
+bf16-vs-fp32 near-ties) the count stops and the block is "censored": a lower bound, exact for the
+target's own greedy text.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from ..config import LossConfig
+from ..drafter.length_head import LengthHead, length_loss
+from ..drafter.model import DFlashDrafter, block_labels
+
+__all__ = ["LossConfig", "BlockStats", "block_loss", "greedy_accepted", "position_weights",
+           "response_mask", "sample_anchors", "target_block_states"]
+
+
+# -- anchors ---------------------------------------------------------------------------------------
+
+def response_mask(starts: Tensor, lengths: Tensor, seq_len: int) -> Tensor:
+    """[B, T] positions allowed as anchors: inside the response (t >= start) and with at least one
+    label (t < length - 1). The first response token is the first anchor vLLM ever drafts from
+    (prefill commits it), so anchors before it would train blocks serving never runs."""
+    t = torch.arange(seq_len, device=starts.device)
+    return (t >= starts.view(-1, 1)) & (t < lengths.view(-1, 1) - 1)
+
+
+def sample_anchors(allowed: Tensor, lengths: Tensor | None, num_anchors: int,
+                   num_draft_tokens: int, generator: torch.Generator | None = None) -> Tensor:
+    """Up to `num_anchors` distinct anchors per row drawn uniformly from `allowed` [B, T], [B, A].
+
+    Anchors whose K labels all exist (a + K < length) are taken first; partial windows only fill
+    rows that have too few full ones. Unused slots are -1 and sort last; used ones ascend.
+    """
+    b, t = allowed.shape
+    if lengths is None:
+        lengths = torch.full((b,), t, dtype=torch.long, device=allowed.device)
+    pos = torch.arange(t, device=allowed.device)
+    full = pos.view(1, -1) + num_draft_tokens < lengths.view(-1, 1)
+    # Random score in [0, 1), +1 for allowed, +1 more for a full window: top-k then picks full
+    # windows first, partial ones next, disallowed ones never (checked below).
+    score = torch.rand(b, t, generator=generator, device=allowed.device)
+    score = score + allowed.float() + (allowed & full).float()
+    k = min(num_anchors, t)
+    top, idx = score.topk(k, dim=1)
+    idx = torch.where(top >= 1, idx, torch.full_like(idx, t))  # disallowed -> sentinel, sorts last
+    idx = idx.sort(dim=1).values
+    idx = torch.where(idx == t, torch.full_like(idx, -1), idx)
+    if k < num_anchors:
+        idx = torch.cat([idx, idx.new_full((b, num_anchors - k), -1)], dim=1)
+    return idx
+
+
+# -- pieces of the loss -----------------------------------------------------------------------------
+
+def position_weights(num_draft_tokens: int, gamma: float, device: torch.device | str = "cpu") -> Tensor:
+    """w_k = exp(-(k-1)/gamma), k = 1..K: later rows only count if the earlier ones were accepted."""
+    k = torch.arange(num_draft_tokens, device=device, dtype=torch.float32)
+    return torch.exp(-k / gamma)
+
+
+def target_block_states(final_hidden: Tensor, anchors: Tensor, num_draft_tokens: int) -> Tensor:
+    """final_hidden at a+k-1 for k = 1..K, [B, A, K, H] (clamped where out of range: mask it)."""
+    b, t, h = final_hidden.shape
+    idx = anchors.clamp(min=0).unsqueeze(-1) + torch.arange(num_draft_tokens, device=anchors.device)
+    idx = idx.clamp(max=t - 1)
+    return final_hidden.gather(1, idx.view(b, -1, 1).expand(-1, -1, h)).view(*idx.shape, h)
+
+
+def greedy_accepted(draft: Tensor, target: Tensor, labels: Tensor, valid: Tensor
+                    ) -> tuple[Tensor, Tensor]:
+    """(accepted [..], censored [..]) for draft/target argmax ids and labels/valid [.., K].
+
+    Row k counts if draft == target there and every earlier row's label was the target's argmax
+    (otherwise the target's argmax at row k was computed on a context greedy decoding never sees).
+    censored: the true count may be higher (the window ran out, or the data left the greedy path
+    right after a match).
+    """
+    k = draft.shape[-1]
+    on_path = (labels == target) & valid
+    prev_on_path = torch.cat([torch.ones_like(on_path[..., :1]), on_path[..., :-1]], dim=-1)
+    ok = (draft == target) & valid & prev_on_path.cumprod(dim=-1).bool()
+    accepted = ok.long().cumprod(dim=-1).sum(dim=-1)
+    # The row after the last accepted one decides the count only if it was observable.
+    nxt = accepted.clamp(max=k - 1).unsqueeze(-1)
+    decided = (accepted < k) & valid.gather(-1, nxt).squeeze(-1) & prev_on_path.gather(-1, nxt).squeeze(-1)
+    censored = (accepted < k) & ~decided
+    return accepted, censored
+
+
+@dataclass
+class BlockStats:
+    """Float statistics of one block_loss call; `as_dict()` is what loggers and the learner get."""
+
+    loss: float
+    distill: float
+    length: float
+    blocks: int  # anchors used
+    rows: int  # labelled draft rows
+    full_blocks: int  # blocks with all K labels, the ones acceptance is measured on
+    accepted: float  # mean greedy accepted drafts over full blocks (a lower bound, see module doc)
+    match: list[float]  # per draft row k: P(draft argmax == target argmax) over valid rows
+
+    @property
+    def acceptance(self) -> float:
+        """Tokens per target step, vLLM's 'mean acceptance length': accepted drafts + the bonus."""
+        return self.accepted + 1.0
+
+    def as_dict(self) -> dict[str, float]:
+        d = {"loss": self.loss, "distill": self.distill, "length": self.length,
+             "blocks": float(self.blocks), "rows": float(self.rows),
+             "full_blocks": float(self.full_blocks), "accepted": self.accepted,
+             "acceptance": self.acceptance}
+        d.update({f"match_{k + 1}": m for k, m in enumerate(self.match)})
+        return d
+
+
+# -- the step ---------------------------------------------------------------------------------------
+
+def block_loss(drafter: DFlashDrafter, ids: Tensor, aux: Tensor, final_hidden: Tensor,
+               anchors: Tensor, embed_w: Tensor, head_w: Tensor, *, loss_cfg: LossConfig | None = None,
+               length_head: LengthHead | None = None, lengths: Tensor | None = None,
+               impl: str = "auto") -> tuple[Tensor, BlockStats]:
+    """Distillation loss of the drafter on the blocks at `anchors` (+ the length head's MSE).
+
+    ids [B,T], aux [B,T,F], final_hidden [B,T,H]: right-padded, row t = position t; lengths [B]
+    (default T). anchors [B,A] from sample_anchors (-1 = unused). embed_w/head_w: the target's
+    frozen embedding table and LM head (the same tensor for tied models).
+    Returns (loss with graph, BlockStats). The length head sees detached drafter states, so its
+    MSE trains the head only and the sum is safe to backprop as one loss.
+    """
+    from ..kernels import distill_loss  # kernels/ installs as vllm_onlinespec.kernels
+
+    cfg = loss_cfg or LossConfig()
+    k = drafter.config.num_draft_tokens
+    h = drafter.train_hidden(aux, ids, anchors, embed_w)  # [B,A,K,H]
+    labels, valid = block_labels(ids, anchors, k, lengths)
+    ht = target_block_states(final_hidden, anchors, k)
+    pw = position_weights(k, cfg.gamma, h.device).expand_as(valid)
+
+    # Only labelled rows go through the vocabulary projection: it is most of the step's cost.
+    rows = valid.nonzero(as_tuple=True)
+    n_rows = int(rows[0].numel())
+    if n_rows:
+        out = distill_loss(h[rows], ht[rows].to(h.dtype), head_w, pw[rows], alpha=cfg.alpha,
+                           temperature=cfg.temperature, clip=cfg.clip, mode=cfg.mode, impl=impl,
+                           return_argmax=True)
+        distill, tgt_rows, draft_rows = out.loss, out.target_ids, out.draft_ids
+    else:
+        distill = h.sum() * 0.0  # keeps a graph, so callers can always backward()
+        tgt_rows = draft_rows = labels.new_empty(0)
+    target = labels.new_full(valid.shape, -1)
+    draft = labels.new_full(valid.shape, -2)
+    target[rows], draft[rows] = tgt_rows, draft_rows
+
+    accepted, censored = greedy_accepted(draft, target, labels, valid)
+    block_ok = valid[..., 0]
+    full = valid.all(dim=-1)
+
+    length = torch.zeros((), device=h.device)
+    if length_head is not None:
+        pred = length_head(h.detach())
+        known = block_ok & ~censored  # a censored block's label would teach a wrong, low length
+        length = length_loss(pred, accepted, drafter.config.block_size, known)
+    loss = distill + length
+
+    with torch.no_grad():
+        match = draft == target
+        per_k = [(match[..., i] & valid[..., i]).sum().item() / max(1, valid[..., i].sum().item())
+                 for i in range(k)]
+        n_full = int(full.sum())
+        stats = BlockStats(
+            loss=float(loss.detach()), distill=float(distill.detach()), length=float(length),
+            blocks=int(block_ok.sum()), rows=n_rows, full_blocks=n_full,
+            accepted=float(accepted[full].float().mean()) if n_full else math.nan, match=per_k)
+    return loss, stats

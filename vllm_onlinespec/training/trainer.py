@@ -1,0 +1,482 @@
+"""Offline training of a DFlash drafter on the target's own responses.
+
+    samples (prompt + response ids)
+      -> target features once per sequence (frozen HF target, kept in memory, cached on disk)
+      -> per step: a length-bucketed batch, anchors inside the responses, block_loss, AdamW
+      -> per epoch: greedy acceptance on held-out prompts; the drafter exported in vLLM's format
+
+Features are computed once and reused by every epoch and by evaluation: a target forward costs
+about as much per token as a drafter step, so recomputing them each epoch would double the
+training time on a CPU.
+
+Resuming: batch order is a function of (seed, epoch) and anchors of (seed, step), so a run
+restored from `train_state/state.pt` (drafter, length head, optimizer, schedule, step) takes
+exactly the steps the uninterrupted run would have taken.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import math
+import os
+import random
+import shutil
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from torch import Tensor, nn
+from tqdm.auto import tqdm
+
+from ..config import LossConfig
+from ..drafter import DFlashConfig, DFlashDrafter, LengthHead, save_drafter
+from .blocks import block_loss, response_mask, sample_anchors
+from .features import target_features
+from .generate import Sample
+
+STATE_DIR = "train_state"
+LOG_FILE = "train_log.jsonl"
+META_FILE = "train_meta.json"
+
+
+@dataclass
+class TrainConfig:
+    # drafter shape
+    num_layers: int = 1
+    block_size: int = 8  # K = block_size - 1 = vLLM's num_speculative_tokens
+    target_layer_ids: list[int] | None = None  # None: spread num_target_features over the depth
+    num_target_features: int = 3
+    mask_token_id: int = 0
+    # optimisation
+    epochs: int = 2
+    max_steps: int | None = None  # overrides epochs when set
+    batch_size: int = 8  # sequences per step
+    anchors_per_seq: int = 32  # blocks per sequence per step (fewer if the response is short)
+    lr: float = 6e-4
+    min_lr_frac: float = 0.1
+    warmup_steps: int = 20
+    schedule: str = "cosine"  # or "linear"
+    weight_decay: float = 0.01
+    grad_clip: float = 1.0
+    loss: LossConfig = field(default_factory=LossConfig)
+    length_head: bool = True
+    seed: int = 0
+    # evaluation / bookkeeping
+    eval_anchors: int = 16
+    log_every: int = 10
+    save_every_s: float = 120.0
+    target_dtype: str = "float32"  # HF target for features; CPU bf16 matmuls are slow here
+    feature_dtype: str = "bfloat16"  # storage of cached features (vLLM serves bf16 features)
+    feature_batch_tokens: int = 8192
+
+    def __post_init__(self) -> None:
+        if isinstance(self.loss, dict):
+            self.loss = LossConfig(**self.loss)
+        checks = {"num_layers": self.num_layers >= 1, "block_size": self.block_size >= 2,
+                  "epochs": self.epochs >= 1, "batch_size": self.batch_size >= 1,
+                  "anchors_per_seq": self.anchors_per_seq >= 1, "lr": self.lr > 0,
+                  "min_lr_frac": 0 <= self.min_lr_frac <= 1, "warmup_steps": self.warmup_steps >= 0,
+                  "schedule": self.schedule in ("cosine", "linear"),
+                  "grad_clip": self.grad_clip > 0, "eval_anchors": self.eval_anchors >= 1,
+                  "max_steps": self.max_steps is None or self.max_steps >= 1}
+        bad = [k for k, ok in checks.items() if not ok]
+        if bad:
+            raise ValueError(f"invalid training setting {bad[0]}={getattr(self, bad[0])!r}")
+
+    def to_json(self) -> dict:
+        d = dataclasses.asdict(self)
+        d["loss"] = self.loss.model_dump()
+        return d
+
+
+# -- features ---------------------------------------------------------------------------------------
+
+@dataclass
+class Example:
+    """One sequence with its target features, ready for block_loss."""
+
+    ids: Tensor  # [T] int64
+    start: int  # first response position
+    aux: Tensor  # [T, n*H] feature_dtype
+    final: Tensor  # [T, H] feature_dtype
+
+
+def load_target(path: str, dtype: str = "float32") -> nn.Module:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype))
+    model.eval().requires_grad_(False)
+    return model
+
+
+def _samples_key(samples: Sequence[Sample], extra: dict) -> str:
+    h = hashlib.sha256(json.dumps(extra, sort_keys=True).encode())
+    for s in samples:
+        h.update(json.dumps([s.ids, s.start]).encode())
+    return h.hexdigest()[:16]
+
+
+def extract_features(target: nn.Module, samples: Sequence[Sample], layer_ids: list[int], *,
+                     dtype: torch.dtype = torch.bfloat16, batch_tokens: int = 8192,
+                     desc: str = "features") -> list[Example]:
+    """Target features for every sample, batched by similar length to waste little on padding."""
+    order = sorted(range(len(samples)), key=lambda i: len(samples[i].ids))
+    out: list[Example | None] = [None] * len(samples)
+    bar = tqdm(total=sum(len(s.ids) for s in samples), desc=desc, unit="tok", leave=False)
+    i = 0
+    while i < len(order):
+        t_max = len(samples[order[i]].ids)
+        j = i + 1  # longest-last order: the batch's last sequence sets the padded length
+        while j < len(order) and (j - i + 1) * len(samples[order[j]].ids) <= batch_tokens:
+            j += 1
+        chunk = [samples[k] for k in order[i:j]]
+        t_max = max(len(s.ids) for s in chunk)
+        ids = torch.zeros(len(chunk), t_max, dtype=torch.long)
+        mask = torch.zeros(len(chunk), t_max, dtype=torch.long)
+        for r, s in enumerate(chunk):
+            ids[r, :len(s.ids)] = torch.tensor(s.ids)
+            mask[r, :len(s.ids)] = 1
+        aux, final = target_features(target, ids, mask, layer_ids)
+        for r, k in enumerate(order[i:j]):
+            n = len(samples[k].ids)
+            out[k] = Example(ids=ids[r, :n].clone(), start=samples[k].start,
+                             aux=aux[r, :n].to(dtype).clone(), final=final[r, :n].to(dtype).clone())
+        bar.update(int(mask.sum()))
+        i = j
+    bar.close()
+    return out  # type: ignore[return-value]
+
+
+def cached_features(cache: Path | None, target: nn.Module, samples: Sequence[Sample],
+                    layer_ids: list[int], fingerprint: dict, dtype: torch.dtype, batch_tokens: int,
+                    desc: str) -> list[Example]:
+    """extract_features, memoised in `cache` (a folder) by samples + target + layers + dtype."""
+    path = None
+    if cache is not None:
+        key = _samples_key(samples, {"target": fingerprint, "layers": layer_ids, "dtype": str(dtype)})
+        path = cache / f"features-{desc}-{key}.pt"
+        if path.is_file():
+            try:
+                rows = torch.load(path, weights_only=True)
+                return [Example(**r) for r in rows]
+            except Exception:  # noqa: BLE001 - a torn cache file is recomputed, not fatal
+                pass
+    examples = extract_features(target, samples, layer_ids, dtype=dtype,
+                                batch_tokens=batch_tokens, desc=desc)
+    if path is not None:
+        _atomic_save([dataclasses.asdict(e) for e in examples], path)
+    return examples
+
+
+def collate(examples: Sequence[Example]) -> dict[str, Tensor]:
+    """Right-padded batch; features are upcast to fp32 here, one batch at a time."""
+    t = max(len(e.ids) for e in examples)
+    b = len(examples)
+    ids = torch.zeros(b, t, dtype=torch.long)
+    aux = torch.zeros(b, t, examples[0].aux.shape[-1])
+    final = torch.zeros(b, t, examples[0].final.shape[-1])
+    for r, e in enumerate(examples):
+        n = len(e.ids)
+        ids[r, :n], aux[r, :n], final[r, :n] = e.ids, e.aux.float(), e.final.float()
+    lengths = torch.tensor([len(e.ids) for e in examples])
+    starts = torch.tensor([e.start for e in examples])
+    return {"ids": ids, "aux": aux, "final": final, "lengths": lengths, "starts": starts}
+
+
+def epoch_batches(lengths: Sequence[int], batch_size: int, seed: int, epoch: int) -> list[list[int]]:
+    """Shuffled batches of similar-length sequences: shuffle, sort within windows of 16 batches
+    by length (little padding), cut, shuffle the batches. A pure function of (seed, epoch)."""
+    rng = random.Random(seed * 1_000_003 + epoch)
+    idx = list(range(len(lengths)))
+    rng.shuffle(idx)
+    window = batch_size * 16
+    batches = []
+    for s in range(0, len(idx), window):
+        part = sorted(idx[s:s + window], key=lambda i: lengths[i])
+        batches += [part[j:j + batch_size] for j in range(0, len(part), batch_size)]
+    rng.shuffle(batches)
+    return batches
+
+
+# -- schedule, checkpoints --------------------------------------------------------------------------
+
+def lr_lambda(cfg: TrainConfig, total_steps: int) -> Callable[[int], float]:
+    def f(step: int) -> float:
+        if step < cfg.warmup_steps:
+            return (step + 1) / (cfg.warmup_steps + 1)
+        frac = min(1.0, (step - cfg.warmup_steps) / max(1, total_steps - cfg.warmup_steps))
+        shape = 0.5 * (1 + math.cos(math.pi * frac)) if cfg.schedule == "cosine" else 1 - frac
+        return cfg.min_lr_frac + (1 - cfg.min_lr_frac) * shape
+    return f
+
+
+def _atomic_save(obj: object, path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    os.close(fd)
+    try:
+        torch.save(obj, tmp)
+        with open(tmp, "rb") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def export_drafter(out: Path, dcfg: DFlashConfig, drafter: DFlashDrafter,
+                   head: LengthHead | None) -> None:
+    """Put a vLLM-loadable drafter into `out` itself, next to train_state/ and the logs.
+
+    save_drafter swaps whole folders, which would drop our other files, so it writes a sibling
+    folder whose files are then moved in one by one (each os.replace is atomic). The weight index
+    tells vLLM which .safetensors to read, so the other files in `out` never reach its loader.
+    """
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.export-", dir=out.parent))
+    try:
+        folder = save_drafter(tmp / "d", dcfg, drafter, head)
+        names = sorted(p.name for p in folder.iterdir())
+        for name in sorted(names, key=lambda n: n == "config.json"):  # config last
+            os.replace(folder / name, out / name)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+# -- the loop ---------------------------------------------------------------------------------------
+
+@dataclass
+class TrainResult:
+    out: Path
+    steps: int
+    evals: list[dict]  # one per evaluation, epoch 0 = before training
+    timings: dict[str, float]
+    drafter: DFlashDrafter
+    length_head: LengthHead | None
+    config: DFlashConfig
+
+
+def _weighted(stats: list[dict], key: str, weight: str) -> float:
+    pairs = [(s[key], s[weight]) for s in stats if s[weight] > 0 and not math.isnan(s[key])]
+    total = sum(w for _, w in pairs)
+    return sum(v * w for v, w in pairs) / total if total else math.nan
+
+
+@torch.no_grad()
+def evaluate(drafter: DFlashDrafter, head: LengthHead | None, examples: Sequence[Example],
+             embed_w: Tensor, head_w: Tensor, cfg: TrainConfig) -> dict:
+    """Held-out metrics on blocks anchored in the responses with all K labels (fixed anchors)."""
+    drafter.eval()
+    k = drafter.config.num_draft_tokens
+    gen = torch.Generator().manual_seed(12345)
+    stats = []
+    order = sorted(range(len(examples)), key=lambda i: len(examples[i].ids))
+    for s in range(0, len(order), cfg.batch_size):
+        batch = collate([examples[i] for i in order[s:s + cfg.batch_size]])
+        t = batch["ids"].shape[1]
+        allowed = response_mask(batch["starts"], batch["lengths"], t)
+        allowed &= torch.arange(t) + k < batch["lengths"].view(-1, 1)  # full windows only
+        anchors = sample_anchors(allowed, batch["lengths"], cfg.eval_anchors, k, gen)
+        _, st = block_loss(drafter, batch["ids"], batch["aux"], batch["final"], anchors, embed_w,
+                           head_w, loss_cfg=cfg.loss, length_head=head, lengths=batch["lengths"])
+        stats.append(st.as_dict())
+    drafter.train()
+    out = {key: _weighted(stats, key, "rows") for key in ("loss", "distill")}
+    out["length"] = _weighted(stats, "length", "blocks")
+    out["accepted"] = _weighted(stats, "accepted", "full_blocks")
+    out["acceptance"] = out["accepted"] + 1
+    out["blocks"] = int(sum(s["full_blocks"] for s in stats))
+    out["match"] = [round(_weighted(stats, f"match_{i + 1}", "rows"), 4) for i in range(k)]
+    return out
+
+
+def _log(out: Path, row: dict) -> None:
+    with open(out / LOG_FILE, "a", encoding="utf-8") as f:
+        f.write(json.dumps(row) + "\n")
+
+
+def train(target_path: str, train_samples: Sequence[Sample], heldout_samples: Sequence[Sample],
+          out: str | os.PathLike, cfg: TrainConfig, *, target: nn.Module | None = None,
+          stop_after: int | None = None, meta: dict | None = None,
+          log: Callable[[str], None] = print) -> TrainResult:
+    """Train (or resume) a drafter in `out`; returns when done or after `stop_after` steps.
+
+    `target`: an already loaded HF target (tests); by default loaded from target_path.
+    `stop_after`: stop early after this global step, as a crash would (state is saved).
+    """
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    state_dir = out / STATE_DIR
+    timings: dict[str, float] = {}
+    torch.manual_seed(cfg.seed)
+
+    from transformers import AutoConfig
+
+    from .generate import model_fingerprint
+
+    tcfg = target.config if target is not None else AutoConfig.from_pretrained(target_path)
+    dcfg = DFlashConfig.for_target(
+        tcfg, mask_token_id=cfg.mask_token_id, num_layers=cfg.num_layers,
+        num_target_features=cfg.num_target_features, block_size=cfg.block_size,
+        target_layer_ids=cfg.target_layer_ids)
+    k = dcfg.num_draft_tokens
+    if not train_samples:
+        raise ValueError("no training samples")
+
+    # Target + features. Loading the HF target is cheap next to running it, so it is always
+    # loaded (for its embedding and LM head) and only run for features the cache lacks.
+    t0 = time.perf_counter()
+    fp = {"object": id(target)} if target is not None else model_fingerprint(target_path)
+    if target is None:
+        target = load_target(target_path, cfg.target_dtype)
+    cache = state_dir if fp.get("path") else None  # in-memory targets (tests) are not cached
+    timings["load_target_s"] = time.perf_counter() - t0
+    fdtype = getattr(torch, cfg.feature_dtype)
+    t0 = time.perf_counter()
+    train_ex = cached_features(cache, target, train_samples, dcfg.target_layer_ids, fp, fdtype,
+                               cfg.feature_batch_tokens, "train")
+    held_ex = cached_features(cache, target, heldout_samples, dcfg.target_layer_ids, fp, fdtype,
+                              cfg.feature_batch_tokens, "heldout") if heldout_samples else []
+    timings["features_s"] = time.perf_counter() - t0
+    n_tok = sum(len(e.ids) for e in train_ex)
+    n_resp = sum(len(e.ids) - e.start for e in train_ex)
+    log(f"features: {len(train_ex)} train sequences ({n_tok} tokens, {n_resp} response), "
+        f"{len(held_ex)} held out, {timings['features_s']:.0f} s")
+
+    # Frozen target tables in fp32 (the drafter trains in fp32 and exports bf16); the rest of
+    # the target is not needed any more.
+    embed_w = target.get_input_embeddings().weight.detach().float()
+    head_w = target.get_output_embeddings().weight.detach().float()
+    if embed_w.shape[0] <= dcfg.mask_token_id:
+        raise ValueError(f"mask token {dcfg.mask_token_id} has no embedding row "
+                         f"(vocab {embed_w.shape[0]})")
+    target = None
+
+    drafter = DFlashDrafter(dcfg).float()
+    head = LengthHead(dcfg.hidden_size).float() if cfg.length_head else None
+    params = list(drafter.parameters()) + (list(head.parameters()) if head is not None else [])
+    # No decay on norms (gains) or biases: decaying them towards 0 only fights the init of 1.
+    decay = [p for p in params if p.dim() >= 2]
+    no_decay = [p for p in params if p.dim() < 2]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay},
+                             {"params": no_decay, "weight_decay": 0.0}], lr=cfg.lr, betas=(0.9, 0.95))
+    lengths = [len(e.ids) for e in train_ex]
+    per_epoch = math.ceil(len(train_ex) / cfg.batch_size)
+    total = cfg.max_steps or per_epoch * cfg.epochs
+    epochs = math.ceil(total / per_epoch)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(cfg, total))
+
+    run_key = hashlib.sha256(json.dumps(
+        {"cfg": cfg.to_json(), "dcfg": dcfg.to_hf_dict(), "data": _samples_key(train_samples, {})},
+        sort_keys=True).encode()).hexdigest()[:16]
+    step, evals = 0, []
+    state_path = state_dir / "state.pt"
+    if state_path.is_file():
+        st = torch.load(state_path, weights_only=False)
+        if st.get("run_key") != run_key:
+            raise ValueError(f"{out} holds a training run with other settings or data; "
+                             f"use a new --out or delete {state_dir}")
+        drafter.load_state_dict(st["drafter"])
+        if head is not None:
+            head.load_state_dict(st["length_head"])
+        opt.load_state_dict(st["optimizer"])
+        sched.load_state_dict(st["scheduler"])
+        step, evals = st["step"], st["evals"]
+        torch.set_rng_state(st["torch_rng"])
+        random.setstate(st["py_rng"])
+        log(f"resumed at step {step}/{total} from {state_path}")
+    else:
+        (out / LOG_FILE).unlink(missing_ok=True)
+
+    def save_state() -> None:
+        _atomic_save({"run_key": run_key, "step": step, "evals": evals,
+                      "drafter": drafter.state_dict(),
+                      "length_head": head.state_dict() if head is not None else None,
+                      "optimizer": opt.state_dict(), "scheduler": sched.state_dict(),
+                      "torch_rng": torch.get_rng_state(), "py_rng": random.getstate()}, state_path)
+
+    def run_eval(epoch: int) -> None:
+        if not held_ex:
+            return
+        t1 = time.perf_counter()
+        ev = evaluate(drafter, head, held_ex, embed_w, head_w, cfg)
+        ev.update(epoch=epoch, step=step, eval_s=round(time.perf_counter() - t1, 1))
+        evals.append(ev)
+        _log(out, {"event": "eval", **ev})
+        log(f"epoch {epoch} step {step}: held-out acceptance {ev['acceptance']:.3f} tokens/step "
+            f"(accepted {ev['accepted']:.3f} of {k}, {ev['blocks']} blocks), loss {ev['loss']:.3f}, "
+            f"match@1 {ev['match'][0]:.3f} [{ev['eval_s']:.0f} s]")
+
+    meta = dict(meta or {})
+    meta.update(train_sequences=len(train_ex), train_tokens=n_tok, train_response_tokens=n_resp,
+                heldout_sequences=len(held_ex),
+                heldout_response_tokens=sum(len(e.ids) - e.start for e in held_ex),
+                num_speculative_tokens=k, block_size=dcfg.block_size,
+                target_layer_ids=dcfg.target_layer_ids, drafter_parameters=drafter.num_parameters(),
+                steps_total=total, train_config=cfg.to_json())
+
+    t_train, t_eval0 = time.perf_counter(), 0.0
+    if step == 0 and not evals:
+        t1 = time.perf_counter()
+        run_eval(0)
+        t_eval0 = time.perf_counter() - t1
+    drafter.train()
+    last_save, window = time.perf_counter(), []
+    bar = tqdm(total=total, initial=step, desc="train", unit="step", leave=False)
+    stopped = False
+    while step < total and not stopped:
+        epoch, pos = divmod(step, per_epoch)
+        batches = epoch_batches(lengths, cfg.batch_size, cfg.seed, epoch)
+        for b in batches[pos:]:
+            batch = collate([train_ex[i] for i in b])
+            t = batch["ids"].shape[1]
+            gen = torch.Generator().manual_seed(cfg.seed * 1_000_003 + step)
+            anchors = sample_anchors(response_mask(batch["starts"], batch["lengths"], t),
+                                     batch["lengths"], cfg.anchors_per_seq, k, gen)
+            loss, st = block_loss(drafter, batch["ids"], batch["aux"], batch["final"], anchors,
+                                  embed_w, head_w, loss_cfg=cfg.loss, length_head=head,
+                                  lengths=batch["lengths"])
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            gnorm = torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
+            opt.step()
+            sched.step()
+            step += 1
+            window.append({**st.as_dict(), "grad_norm": float(gnorm)})
+            bar.update()
+            if step % cfg.log_every == 0 or step == total:
+                row = {"event": "train", "step": step, "epoch": step / per_epoch,
+                       "lr": opt.param_groups[0]["lr"],
+                       **{key: round(_weighted(window, key, w), 5) for key, w in (
+                           ("loss", "rows"), ("distill", "rows"), ("length", "blocks"),
+                           ("accepted", "full_blocks"), ("match_1", "rows"),
+                           ("grad_norm", "rows"))},
+                       "elapsed_s": round(time.perf_counter() - t_train, 1)}
+                _log(out, row)
+                bar.set_postfix(loss=f"{row['loss']:.3f}", acc=f"{row['accepted'] + 1:.2f}")
+                window = []
+            if step % per_epoch == 0 or step == total:
+                run_eval(math.ceil(step / per_epoch))
+                export_drafter(out, dcfg, drafter, head)
+                save_state()
+                last_save = time.perf_counter()
+            elif time.perf_counter() - last_save > cfg.save_every_s:
+                save_state()
+                last_save = time.perf_counter()
+            if stop_after is not None and step >= stop_after:
+                save_state()
+                stopped = True
+            if step >= total or stopped:
+                break
+    bar.close()
+    timings["train_s"] = time.perf_counter() - t_train - t_eval0
+    timings["eval_s"] = sum(e.get("eval_s", 0) for e in evals)
+    if not stopped:
+        meta.update(evals=evals, timings={**meta.get("timings", {}), **timings})
+        (out / META_FILE).write_text(json.dumps(meta, indent=2) + "\n")
+    return TrainResult(out=out, steps=step, evals=evals, timings=timings, drafter=drafter,
+                       length_head=head, config=dcfg)
