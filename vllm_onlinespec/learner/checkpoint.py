@@ -286,3 +286,12 @@ def prune(directory: str | Path, keep_last: int) -> list[Path]:
                 shutil.rmtree(p, ignore_errors=True)
                 removed.append(p)
     return removed
+
+
+def state_digest(state: Mapping[str, torch.Tensor]) -> str:
+    """sha256 over names and float32 bytes: equal digests mean equal weights (resume checks)."""
+    h = hashlib.sha256()
+    for name in sorted(state):
+        h.update(name.encode())
+        h.update(state[name].detach().to("cpu", torch.float32).contiguous().numpy().tobytes())
+    return h.hexdigest()

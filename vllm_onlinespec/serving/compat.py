@@ -31,6 +31,7 @@ def apply_patches() -> None:
     _patched = True
     _fix_dflash_grouped_k_norm()
     _keep_plain_weights_while_drafter_loads()
+    _select_worker_and_validate_config()
 
 
 def _fix_dflash_grouped_k_norm() -> None:
@@ -72,6 +73,37 @@ def _keep_plain_weights_while_drafter_loads() -> None:
 
     cls.process_weights_after_loading = process_weights_after_loading
     cls._onlinespec_wrapped = True
+
+
+WORKER_QUALNAME = "vllm_onlinespec.SpecDecodeWorker"
+# What the platforms put in parallel_config.worker_cls when the user chose none (cpu.py:344).
+_DEFAULT_WORKERS = ("auto", "vllm.v1.worker.cpu_worker.CPUWorker", "vllm.v1.worker.gpu_worker.Worker")
+
+
+def _select_worker_and_validate_config() -> None:
+    """`additional_config={"onlinespec": {...}}` alone turns the worker on, and a bad config
+    stops start-up in the calling process with one line naming the field, before any engine
+    process is spawned (EngineArgs.create_engine_config, arg_utils.py:2205)."""
+    from vllm.engine.arg_utils import EngineArgs
+
+    if getattr(EngineArgs, "_onlinespec_wrapped", False):
+        return
+    orig = EngineArgs.create_engine_config
+
+    def create_engine_config(self, *args, **kwargs):
+        vllm_config = orig(self, *args, **kwargs)
+        pc = vllm_config.parallel_config
+        ours = pc.worker_cls in (WORKER_QUALNAME, "vllm_onlinespec.serving.worker.SpecDecodeWorker")
+        if "onlinespec" in additional_config(vllm_config) and pc.worker_cls in _DEFAULT_WORKERS:
+            pc.worker_cls, ours = WORKER_QUALNAME, True
+        if ours:
+            from vllm_onlinespec.serving.session import config_from_vllm
+
+            config_from_vllm(vllm_config)
+        return vllm_config
+
+    EngineArgs.create_engine_config = create_engine_config
+    EngineArgs._onlinespec_wrapped = True
 
 
 @contextlib.contextmanager

@@ -32,6 +32,9 @@ def config_from_vllm(vllm_config: Any) -> OnlineSpecConfig:
         raise ConfigError(
             f"onlinespec: vllm_onlinespec.SpecDecodeWorker needs --speculative-config with "
             f"method 'dflash' (got {method!r})")
+    if cfg.publish.kv_policy != "tolerate":
+        raise ConfigError(f"onlinespec.publish.kv_policy: only 'tolerate' is implemented "
+                          f"(got {cfg.publish.kv_policy!r})")
     return cfg
 
 
@@ -88,9 +91,11 @@ class OnlineSession:
         loss_cfg = self.cfg.loss
 
         def loss_fn(model: TrainBundle, batch) -> tuple[torch.Tensor, dict]:
-            return block_loss(model.drafter, batch.ids, batch.aux.float(), batch.final_hidden.float(),
-                              batch.anchors, self.embed_w, self.head_w, loss_cfg=loss_cfg,
-                              length_head=model.length_head, lengths=batch.lengths)
+            loss, stats = block_loss(model.drafter, batch.ids, batch.aux.float(),
+                                     batch.final_hidden.float(), batch.anchors, self.embed_w,
+                                     self.head_w, loss_cfg=loss_cfg, length_head=model.length_head,
+                                     lengths=batch.lengths)
+            return loss, stats.as_dict()
 
         make_batch = make_batch_fn(self.cfg.batch_blocks, self.cfg.anchors_per_request,
                                    holdback=self.K)
@@ -145,6 +150,25 @@ class OnlineSession:
                 self.publisher.publish(self.learner.latest())
         except Exception as e:  # noqa: BLE001 - serving must go on
             self._failed(e)
+
+    def stats(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"published_version": self.publisher.version,
+                               "publishes": self.publisher.count,
+                               "publish_ms_last": self.publisher.last_ms,
+                               "publish_ms_total": self.publisher.total_ms,
+                               "hook_errors": self.errors, "steps": self.steps}
+        if self.learner is not None:
+            out.update({f"learner/{k}": v for k, v in self.learner.stats().items()})
+            out.update({f"buffer/{k}": v for k, v in self.buffer.stats().items()})
+        return out
+
+    def digest(self) -> str:
+        """Digest of the published weights (what vLLM's drafter holds)."""
+        from vllm_onlinespec.learner.checkpoint import state_digest
+
+        if self.learner is None:
+            return ""
+        return state_digest(self.learner.latest()[1])
 
     def cut_drafts(self, drafts: Any) -> Any:
         return drafts

@@ -28,6 +28,16 @@ class SpecDecodeWorker(_Base):  # type: ignore[misc, valid-type]
                                "unset VLLM_USE_V2_MODEL_RUNNER")
         return runner_class(compat.base_runner_class())(self.vllm_config, self.device)
 
+    def onlinespec_stats(self) -> dict:
+        """Learner, buffer and publishing figures (`LLM.collective_rpc("onlinespec_stats")`)."""
+        session = getattr(getattr(self, "model_runner", None), "_onlinespec", None)
+        return session.stats() if session is not None else {}
+
+    def onlinespec_digest(self) -> str:
+        """sha256 of the published draft weights, to check resumes and publishes."""
+        session = getattr(getattr(self, "model_runner", None), "_onlinespec", None)
+        return session.digest() if session is not None else ""
+
     def shutdown(self) -> None:
         runner = getattr(self, "model_runner", None)
         if runner is not None and hasattr(runner, "shutdown_onlinespec"):
