@@ -1,6 +1,10 @@
-"""`vllm serve` as a subprocess on 127.0.0.1 answers an OpenAI chat completion, then exits cleanly."""
+"""`vllm serve` as a subprocess on 127.0.0.1 with DFlash + online learning (the `budget` verify
+policy): answers OpenAI chat completions, learns (versions published, visible on /metrics),
+then exits cleanly on SIGINT."""
 
+import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -11,11 +15,12 @@ from pathlib import Path
 import pytest
 
 from conftest import free_port
+from test_worker_parity import make_drafter
 
 pytestmark = pytest.mark.vllm
 
 
-def wait_healthy(url: str, proc: subprocess.Popen, timeout: float = 240) -> None:
+def wait_healthy(url: str, proc: subprocess.Popen, timeout: float = 300) -> None:
     deadline = time.time() + timeout
     while time.time() < deadline:
         if proc.poll() is not None:
@@ -29,17 +34,31 @@ def wait_healthy(url: str, proc: subprocess.Popen, timeout: float = 240) -> None
     raise TimeoutError("vllm serve did not become healthy")
 
 
+def metric(url: str, name: str) -> float | None:
+    text = urllib.request.urlopen(url + "/metrics", timeout=10).read().decode()
+    m = re.search(rf"^{re.escape(name)}\{{[^}}]*\}} ([0-9.eE+-]+)$", text, re.M)
+    return float(m.group(1)) if m else None
+
+
 @pytest.fixture(scope="module")
 def server(smollm2_path, tmp_path_factory):
     from vllm_onlinespec.engine import serve_args
 
+    tmp = tmp_path_factory.mktemp("serve")
+    drafter = make_drafter(smollm2_path, str(tmp / "drafter"))
     port = free_port()
-    log = tmp_path_factory.mktemp("serve") / "serve.log"
+    log = tmp / "serve.log"
+    online = {"lr": 1e-3, "min_new_tokens_per_update": 8, "length_head": {"policy": "budget"}}
     cmd = [str(Path(sys.executable).parent / "vllm"), "serve", smollm2_path, "--host", "127.0.0.1",
            "--port", str(port), "--dtype", "float32", "--served-model-name", "smollm2",
+           "--speculative-config", json.dumps({"method": "dflash", "model": drafter,
+                                               "num_speculative_tokens": 4}),
+           "--additional-config", json.dumps({"onlinespec": online}),
            *serve_args(max_model_len=512)]
     with open(log, "w") as fh:
-        proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, env=dict(os.environ))
+        # INFO: the test reads the one-line-per-publish log.
+        proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT,
+                                env={**os.environ, "VLLM_LOGGING_LEVEL": "INFO"})
     try:
         wait_healthy(f"http://127.0.0.1:{port}", proc)
     except Exception:
@@ -51,14 +70,24 @@ def server(smollm2_path, tmp_path_factory):
         proc.kill()
 
 
-def test_openai_chat_completion_then_clean_shutdown(server):
+def test_chat_completions_learn_and_shutdown_cleanly(server):
     from openai import OpenAI
 
     url, proc, log = server
     client = OpenAI(base_url=url + "/v1", api_key="none")
-    r = client.chat.completions.create(model="smollm2", temperature=0.0, max_tokens=16,
-                                       messages=[{"role": "user", "content": "Say hello."}])
-    assert r.choices[0].message.content.strip()
-    assert r.usage.completion_tokens > 0
+    for q in ["Say hello.", "Count from one to ten in words.", "Name the planets of the solar system."]:
+        r = client.chat.completions.create(model="smollm2", temperature=0.0, max_tokens=48,
+                                           messages=[{"role": "user", "content": q}])
+        assert r.choices[0].message.content.strip()
+        assert r.usage.completion_tokens > 0
+    deadline, version = time.time() + 90, None
+    while time.time() < deadline:
+        version = metric(url, "onlinespec:drafter_version")
+        if version and version >= 1:
+            break
+        time.sleep(1)
+    assert version is not None and version >= 1, "no published drafter version on /metrics"
+    assert metric(url, "onlinespec:learner_updates_total") >= 1
+    assert "published drafter version" in log.read_text()
     proc.send_signal(signal.SIGINT)
     assert proc.wait(timeout=60) == 0, log.read_text()[-3000:]

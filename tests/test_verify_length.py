@@ -164,8 +164,8 @@ def test_budget_policy_follows_the_cost_model():
     assert "stop: next token's gain" in why and "128 head, 0 population, 0 full" in why
     order = big.argsort()  # better predictions never get shorter drafts
     assert all(lengths[i] <= lengths[j] for i, j in zip(order[:-1].tolist(), order[1:].tolist()))
-    # rho > 1 makes verification dearer: never more tokens
-    dear = BudgetPolicy(pol.cost_model, rho=3.0).lengths(big, 8, 128)[0]
+    # rho < 1 makes verification dearer (AdaFlash convention: rho scales how much is verified)
+    dear = BudgetPolicy(pol.cost_model, rho=1.0 / 3.0).lengths(big, 8, 128)[0]
     assert sum(dear) <= sum(lengths) and all(1 <= n <= 8 for n in dear)
 
 

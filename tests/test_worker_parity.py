@@ -48,11 +48,16 @@ def served(smollm2_path, tmp_path_factory):
     llm = LLM(model=smollm2_path, dtype="float32", **engine_kwargs(max_model_len=512),
               speculative_config={"method": "dflash", "model": drafter, "num_speculative_tokens": K},
               worker_cls="vllm_onlinespec.SpecDecodeWorker",
-              additional_config={"onlinespec": {"enabled": False, "trace_dir": str(trace)}})
+              additional_config={"onlinespec": {
+                  "enabled": False, "trace_dir": str(trace),
+                  # Cut drafts hard (no head: population estimate), so losslessness is checked
+                  # with ragged, shortened drafts too.
+                  "length_head": {"policy": "adaflash", "rho": 0.5}}})
     outs = llm.chat([[{"role": "user", "content": p}] for p in PROMPTS],
                     SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS), use_tqdm=False)
-    del llm
-    return {"drafter": drafter, "trace": trace, "outs": outs}
+    stats = llm.collective_rpc("onlinespec_stats")[0]
+    llm.llm_engine.engine_core.shutdown()
+    return {"drafter": drafter, "trace": trace, "outs": outs, "stats": stats}
 
 
 @pytest.fixture(scope="module")
@@ -69,6 +74,12 @@ def test_greedy_equal_to_no_speculation(served, hf_target):
             ref = hf_target.generate(ids, attention_mask=torch.ones_like(ids),
                                      max_new_tokens=MAX_TOKENS, do_sample=False)
         assert list(out.outputs[0].token_ids) == ref[0, ids.shape[1]:].tolist()
+
+
+def test_verify_policy_cut_drafts(served):
+    st = served["stats"]
+    assert 0 < st["policy/verified"] < st["policy/drafted"], st
+    assert st["policy/last_reason"].startswith("adaflash"), st
 
 
 def test_vllm_drafter_matches_pytorch_twin(served, hf_target):

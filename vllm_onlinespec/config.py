@@ -81,8 +81,9 @@ class CheckpointConfig(_Section):
 
 class LossConfig(_Section):
     alpha: float = Field(
-        0.8, ge=0.0, le=1.0, description="weight of the distillation term against the "
-        "target's distribution; 1 - alpha weights cross-entropy on committed tokens (in [0, 1])")
+        0.8, ge=0.0, le=1.0, description="weight of the cross-entropy term towards the target's "
+        "argmax; 1 - alpha weights the clipped divergence from the target's distribution "
+        "(in [0, 1])")
     temperature: float = Field(
         1.0, gt=0.0, description="softmax temperature applied to target and draft logits (> 0)")
     gamma: float = Field(
@@ -102,8 +103,10 @@ class LengthHeadConfig(_Section):
         "'adaflash' cuts each request's draft where the length head's predicted acceptance "
         "stops paying, 'budget' shares a per-step verify-token budget across requests")
     rho: float = Field(
-        1.0, gt=0.0, description="cost of verifying one draft token relative to the value of "
-        "one accepted token (> 0, dimensionless); larger cuts drafts shorter")
+        1.0, gt=0.0, description="verify-length scale (> 0, dimensionless): 'adaflash' verifies "
+        "clamp(round(r * K * rho), k_min, K) tokens where r is the head's predicted accepted "
+        "fraction; 'budget' divides the measured cost of a verified token by rho. > 1 verifies "
+        "more, < 1 less")
     k_min: int = Field(
         1, ge=1, description="never cut a draft below this many tokens (>= 1)")
     train: bool = Field(

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 
 def register() -> None:
-    from vllm_onlinespec.serving import compat
+    from vllm_onlinespec.serving import compat, metrics
 
     compat.apply_patches()
+    metrics.register_collector()

@@ -281,8 +281,8 @@ class AdaFlashPolicy(_Base):
 class BudgetPolicy(_Base):
     """Share the step's verify tokens across requests to maximise expected tokens per second of
     target time (`budget.plan`), with the head's predictions turned into per-position acceptance
-    (`position_acceptance`, profile from `AcceptanceStats`). `rho` scales the cost of a verified
-    draft token (> 1 cuts harder). With few requests the fixed step cost dominates and every
+    (`position_acceptance`, profile from `AcceptanceStats`). `rho` means what it means in
+    AdaFlash's rule (> 1 verifies more): a verified draft token's cost is scaled by 1/rho. With few requests the fixed step cost dominates and every
     token pays; with many the per-token cost does and drafts shrink — no threshold, and the reason
     shows the numbers either way.
     """
@@ -318,7 +318,7 @@ class BudgetPolicy(_Base):
             p[rest] = stats._rates()[None, :K]
         k_min = np.where(src == FULL, K, min(self.k_min, K))
         a = plan(p, B if base_tokens is None else base_tokens, self.cost_model, k_min=k_min, K=K,
-                 cost_scale=self.rho)
+                 cost_scale=1.0 / self.rho)
         ms = 1e3
         stop = ("every draft token pays" if a.next_gain is None else
                 f"stop: next token's gain {a.next_gain:.3f} tok < its cost "

@@ -29,9 +29,27 @@ def apply_patches() -> None:
     if _patched:
         return
     _patched = True
+    _share_vllm_logging()
     _fix_dflash_grouped_k_norm()
     _keep_plain_weights_while_drafter_loads()
     _select_worker_and_validate_config()
+
+
+class _ToVllmLogger(logging.Handler):
+    """Hands our records to the `vllm` logger at emit time: vLLM configures its handlers late
+    (logger.py:289), after this plugin has run."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        logging.getLogger("vllm").handle(record)
+
+
+def _share_vllm_logging() -> None:
+    """Our log lines (learner, publishes, policy) go where vLLM's go, in its format."""
+    ours = logging.getLogger("vllm_onlinespec")
+    if not any(isinstance(h, _ToVllmLogger) for h in ours.handlers):
+        ours.addHandler(_ToVllmLogger())
+        ours.setLevel(logging.INFO)
+        ours.propagate = False
 
 
 def _fix_dflash_grouped_k_norm() -> None:

@@ -12,6 +12,7 @@ the next step's: new weights never land in the middle of a forward.
 from __future__ import annotations
 
 import logging
+import time
 from typing import Any
 
 from vllm_onlinespec.serving import compat
@@ -31,9 +32,19 @@ class OnlineSpecRunnerMixin:
         self._onlinespec = OnlineSession.start(self)
         return out
 
+    def execute_model(self, scheduler_output, *args, **kwargs):
+        self._onlinespec_t0 = time.perf_counter()
+        self._onlinespec_tokens = int(scheduler_output.total_num_scheduled_tokens)
+        return super().execute_model(scheduler_output, *args, **kwargs)
+
     def _sample(self, logits, spec_decode_metadata):
         out = super()._sample(logits, spec_decode_metadata)
         self._onlinespec_sampled = out.sampled_token_ids
+        if self._onlinespec is not None and getattr(self, "_onlinespec_t0", None) is not None:
+            # Target forward + verification, not drafting: what one more verify token costs.
+            self._onlinespec.observe_step_cost(self._onlinespec_tokens,
+                                               time.perf_counter() - self._onlinespec_t0)
+            self._onlinespec_t0 = None
         return out
 
     def sample_tokens(self, grammar_output):

@@ -17,9 +17,12 @@ from torch import nn
 
 from vllm_onlinespec.config import ConfigError, OnlineSpecConfig
 from vllm_onlinespec.serving import compat
+from vllm_onlinespec.budget import StepCostModel
 from vllm_onlinespec.serving.feedback import records_from_step
+from vllm_onlinespec.serving.metrics import MetricsWriter
 from vllm_onlinespec.serving.publish import Publisher
 from vllm_onlinespec.serving.trace import DraftTracer
+from vllm_onlinespec.verify_length import make_policy
 
 logger = logging.getLogger("vllm_onlinespec")
 
@@ -57,10 +60,21 @@ class OnlineSession:
         self.buffer = None
         self.publisher = Publisher(runner)
         self.tracer = DraftTracer.maybe(cfg, runner)
+        self.metrics = MetricsWriter()
+        self.policy = make_policy(cfg.length_head, StepCostModel())
+        self.last_reason = ""
+        self.policy_drafted = self.policy_verified = 0
+        self.head: nn.Module | None = None
+        self._draft_hidden: torch.Tensor | None = None
+        if cfg.length_head.policy != "fixed":
+            compat.wrap_draft_sampler(runner, self._on_draft_hidden)
         if cfg.enabled:
             self._start_learner(runner)
-        logger.info("onlinespec: worker ready (learning=%s, algorithm=%s, verify policy=%s, K=%d)",
-                    cfg.enabled, cfg.algorithm, cfg.length_head.policy, self.K)
+        if cfg.length_head.policy != "fixed" and self.head is None:
+            self.head = self._checkpoint_head(runner)
+        logger.info("onlinespec: worker ready (learning=%s, algorithm=%s, K=%d); %s; length head: %s",
+                    cfg.enabled, cfg.algorithm, self.K, self.policy.describe(),
+                    "none: population estimate only" if self.head is None else "on")
 
     @classmethod
     def start(cls, runner: Any) -> "OnlineSession":
@@ -100,6 +114,10 @@ class OnlineSession:
         make_batch = make_batch_fn(self.cfg.batch_blocks, self.cfg.anchors_per_request,
                                    holdback=self.K)
         bundle = TrainBundle(drafter, head)
+        if head is not None:
+            import copy
+
+            self.head = copy.deepcopy(head).eval().requires_grad_(False)
 
         def save_model(directory) -> None:  # learner checkpoints stay loadable by vLLM
             save_drafter(directory, dcfg, bundle.drafter, bundle.length_head)
@@ -117,7 +135,25 @@ class OnlineSession:
                 pass
         self.learner.start()
 
+    def _checkpoint_head(self, runner: Any) -> nn.Module | None:
+        from vllm_onlinespec.drafter import load_drafter
+
+        try:
+            path = self.cfg.drafter or compat.draft_model_path(runner.vllm_config)
+            return load_drafter(path, dtype=torch.float32)[2]
+        except Exception as e:  # noqa: BLE001 - no head: the policy says so in its reasons
+            logger.warning("onlinespec: no length head (%s); verify policy uses population "
+                           "estimates", e)
+            return None
+
+    def _on_draft_hidden(self, hidden: torch.Tensor) -> None:
+        self._draft_hidden = hidden
+
     # -- every engine step ------------------------------------------------------------------------
+    def observe_step_cost(self, tokens: int, seconds: float) -> None:
+        cm = getattr(self.policy, "cost_model", None)
+        if cm is not None:
+            cm.observe(tokens, seconds)
     def capture(self, runner: Any) -> compat.StepView | None:
         if not self.wants_feedback:
             return None
@@ -137,6 +173,9 @@ class OnlineSession:
         try:
             if view is not None and sampled is not None:
                 accepted = compat.accepted_counts(sampled, view.num_draft_tokens)
+                if view.num_draft_tokens is not None:
+                    drafted = view.num_draft_tokens
+                    self.policy.observe([d for d in drafted if d], [a for d, a in zip(drafted, accepted) if d])
                 if self.tracer is not None:
                     self.tracer.record(view, accepted, sampled)
                 if self.buffer is not None:
@@ -146,17 +185,32 @@ class OnlineSession:
                     for rid in view.finished_req_ids:
                         self.buffer.finish(rid)
                     self.learner.notify()
-            if self.learner is not None:
-                self.publisher.publish(self.learner.latest())
+            if self.learner is not None and self.publisher.publish(self.learner.latest()):
+                self._refresh_head(self.learner.latest()[1])
+            self.metrics.write(self.stats(), self.info())
         except Exception as e:  # noqa: BLE001 - serving must go on
             self._failed(e)
+
+    def _refresh_head(self, snapshot) -> None:
+        if self.head is None:
+            return
+        prefix = "length_head."
+        state = {k[len(prefix):]: v for k, v in snapshot.items() if k.startswith(prefix)}
+        if state:
+            self.head.load_state_dict(state)
 
     def stats(self) -> dict[str, Any]:
         out: dict[str, Any] = {"published_version": self.publisher.version,
                                "publishes": self.publisher.count,
                                "publish_ms_last": self.publisher.last_ms,
                                "publish_ms_total": self.publisher.total_ms,
-                               "hook_errors": self.errors, "steps": self.steps}
+                               "hook_errors": self.errors, "steps": self.steps,
+                               "policy/drafted": self.policy_drafted,
+                               "policy/verified": self.policy_verified,
+                               "policy/last_reason": self.last_reason}
+        cm = getattr(self.policy, "cost_model", None)
+        if cm is not None:
+            out.update({"cost/a_s": cm.a, "cost/b_s_per_token": cm.b})
         if self.learner is not None:
             out.update({f"learner/{k}": v for k, v in self.learner.stats().items()})
             out.update({f"buffer/{k}": v for k, v in self.buffer.stats().items()})
@@ -170,7 +224,33 @@ class OnlineSession:
             return ""
         return state_digest(self.learner.latest()[1])
 
+    def info(self) -> dict[str, str]:
+        return {"algorithm": self.cfg.algorithm, "learning": str(self.cfg.enabled),
+                "verify_policy": self.cfg.length_head.policy, "K": str(self.K),
+                "length_head": "on" if self.head is not None else "off"}
+
     def cut_drafts(self, drafts: Any) -> Any:
+        """Cut each request's draft to the verify-length policy's choice (a prefix: lossless)."""
+        try:
+            ids = drafts.draft_token_ids
+            if not isinstance(ids, list) or not ids:
+                return drafts
+            B = len(ids)
+            drafted = [len(d) for d in ids]
+            self.policy_drafted += sum(drafted)
+            if self.cfg.length_head.policy == "fixed":
+                self.policy_verified += sum(drafted)
+                return drafts
+            hidden, self._draft_hidden = self._draft_hidden, None
+            pred = None
+            if self.head is not None and hidden is not None and hidden.shape[0] == B * self.K:
+                with torch.inference_mode():
+                    pred = self.head(hidden.float().view(B, self.K, -1)).tolist()
+            lengths, self.last_reason = self.policy.lengths(pred, self.K, B)
+            drafts.draft_token_ids = [d[: min(len(d), n)] for d, n in zip(ids, lengths)]
+            self.policy_verified += sum(len(d) for d in drafts.draft_token_ids)
+        except Exception as e:  # noqa: BLE001 - fall back to the uncut drafts
+            self._failed(e)
         return drafts
 
     def close(self) -> None:

@@ -1,0 +1,104 @@
+"""Prometheus metrics beside vLLM's own on `/metrics`.
+
+The learner lives in the worker process, `/metrics` in the API-server process, and vLLM only
+turns on prometheus' multiprocess mode with several API servers. So each worker writes its
+figures to a small JSON file (atomically, at most every `min_interval_s`), and a collector
+registered in the API server reads them at scrape time. The directory is created by the plugin
+in the first vLLM process and inherited by the processes it spawns.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Iterator
+
+ENV = "ONLINESPEC_METRICS_DIR"  # not VLLM_*: vLLM warns about unknown VLLM_ variables
+
+# name -> (prometheus type, stats key, help)
+METRICS = {
+    "onlinespec:drafter_version": ("gauge", "published_version", "drafter weights version vLLM serves"),
+    "onlinespec:learner_updates": ("counter", "learner/updates", "successful online updates"),
+    "onlinespec:learner_errors": ("counter", "learner/errors", "learner updates discarded after an exception"),
+    "onlinespec:learner_nonfinite": ("counter", "learner/skipped_nonfinite", "updates discarded for a non-finite loss or gradient"),
+    "onlinespec:learner_loss": ("gauge", "learner/last_loss", "loss of the last online update"),
+    "onlinespec:learner_update_ms": ("gauge", "learner/update_ms", "wall time of the last online update, ms"),
+    "onlinespec:buffer_tokens": ("gauge", "buffer/size", "tokens held by the feedback buffer"),
+    "onlinespec:buffer_drops": ("counter", "buffer/drops", "feedback tokens dropped before training"),
+    "onlinespec:publish_ms": ("gauge", "publish_ms_last", "time to publish the last weights into vLLM's drafter, ms"),
+    "onlinespec:publishes": ("counter", "publishes", "weight publishes into vLLM's drafter"),
+    "onlinespec:hook_errors": ("counter", "hook_errors", "serving-side hook failures (step kept going)"),
+    "onlinespec:verify_tokens": ("counter", "policy/verified", "draft tokens sent to verification"),
+    "onlinespec:draft_tokens": ("counter", "policy/drafted", "draft tokens proposed before the verify-length cut"),
+}
+
+
+def ensure_dir() -> Path:
+    d = os.environ.get(ENV)
+    if not d:
+        d = tempfile.mkdtemp(prefix="vllm-onlinespec-metrics-")
+        os.environ[ENV] = d
+    return Path(d)
+
+
+class MetricsWriter:
+    def __init__(self, min_interval_s: float = 0.5) -> None:
+        d = os.environ.get(ENV)
+        self.path = Path(d) / f"worker-{os.getpid()}.json" if d else None
+        self.min_interval_s = min_interval_s
+        self._last = 0.0
+
+    def write(self, stats: dict[str, Any], info: dict[str, str], force: bool = False) -> None:
+        now = time.monotonic()
+        if self.path is None or (not force and now - self._last < self.min_interval_s):
+            return
+        self._last = now
+        tmp = self.path.with_suffix(".tmp")
+        tmp.write_text(json.dumps({"stats": stats, "info": info}, default=float))
+        os.replace(tmp, self.path)
+
+
+class OnlineSpecCollector:
+    """prometheus_client custom collector over the workers' JSON files."""
+
+    def collect(self) -> Iterator[Any]:
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily
+
+        d = os.environ.get(ENV)
+        files = sorted(Path(d).glob("worker-*.json")) if d else []
+        data = []
+        for f in files:
+            try:
+                data.append((f.stem.split("-", 1)[1], json.loads(f.read_text())))
+            except (OSError, ValueError):
+                continue
+        for name, (kind, key, doc) in METRICS.items():
+            fam = (CounterMetricFamily if kind == "counter" else GaugeMetricFamily)(
+                name.removesuffix("_total"), doc, labels=["worker"])
+            for pid, d in data:
+                v = d["stats"].get(key)
+                if isinstance(v, (int, float)) and v == v:
+                    fam.add_metric([pid], float(v))
+            yield fam
+        info = InfoMetricFamily("onlinespec:config", "online speculation settings in force",
+                                labels=["worker"])
+        for pid, d in data:
+            info.add_metric([pid], {k: str(v) for k, v in d.get("info", {}).items()})
+        yield info
+
+
+_registered = False
+
+
+def register_collector() -> None:
+    global _registered
+    if _registered:
+        return
+    _registered = True
+    ensure_dir()
+    from prometheus_client import REGISTRY
+
+    REGISTRY.register(OnlineSpecCollector())
