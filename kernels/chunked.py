@@ -67,7 +67,27 @@ def row_epilogue(ce, kl, pw, *, alpha, temperature, clip, mode):
     return (pw * per_pos).sum(), pw * alpha, coef_kl
 
 
-class ChunkedDistillLoss(torch.autograd.Function):
+class GradInForward(torch.autograd.Function):
+    """Base for Functions that compute d loss / d hd during the forward and stash only that
+    [N, h] tensor (Liger's FLCE trick): backward just scales it by the incoming gradient."""
+
+    @staticmethod
+    def stash(ctx, grad_hd: torch.Tensor | None, hd: torch.Tensor, n_inputs: int) -> None:
+        ctx.save_for_backward(grad_hd)
+        ctx.hd_dtype = hd.dtype
+        ctx.n_inputs = n_inputs
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_loss, _g_tgt, _g_draft):
+        (grad_hd,) = ctx.saved_tensors
+        grad = None
+        if ctx.needs_input_grad[0]:
+            grad = (grad_hd * grad_loss).to(ctx.hd_dtype)
+        return (grad,) + (None,) * (ctx.n_inputs - 1)
+
+
+class ChunkedDistillLoss(GradInForward):
     """``(hd, ht, w, pw, alpha, T, clip, mode, chunk) -> (loss, target_ids, draft_ids)``."""
 
     @staticmethod
@@ -128,19 +148,9 @@ class ChunkedDistillLoss(torch.autograd.Function):
                 grad_hd[s:e] = g @ wf
             del q, gk
 
-        ctx.save_for_backward(grad_hd)
-        ctx.hd_dtype = hd.dtype
+        GradInForward.stash(ctx, grad_hd, hd, n_inputs=9)
         ctx.mark_non_differentiable(tgt_ids, draft_ids)
         return loss, tgt_ids, draft_ids
-
-    @staticmethod
-    @torch.autograd.function.once_differentiable
-    def backward(ctx, grad_loss, _g_tgt, _g_draft):
-        (grad_hd,) = ctx.saved_tensors
-        grad = None
-        if ctx.needs_input_grad[0]:
-            grad = (grad_hd * grad_loss).to(ctx.hd_dtype)
-        return grad, None, None, None, None, None, None, None, None
 
 
 def distill_loss_chunked(

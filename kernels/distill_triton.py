@@ -30,7 +30,7 @@ import triton
 import triton.language as tl
 from triton.runtime.jit import JITFunction
 
-from .chunked import row_epilogue
+from .chunked import GradInForward, row_epilogue
 from .reference import EPS
 
 _MODE_ID = {"reverse_kl": 0, "forward_kl": 1, "ce": 2}
@@ -350,7 +350,7 @@ def distill_forward_triton(hd, ht, w, pw, *, alpha, temperature, clip, mode, nee
     return loss, tgt_ids, draft_ids, grad_hd
 
 
-class TritonDistillLoss(torch.autograd.Function):
+class TritonDistillLoss(GradInForward):
     """``(hd, ht, w, pw, alpha, T, clip, mode, chunk, config) -> (loss, target_ids, draft_ids)``."""
 
     @staticmethod
@@ -359,19 +359,9 @@ class TritonDistillLoss(torch.autograd.Function):
             hd, ht, w, pw, alpha=alpha, temperature=temperature, clip=clip, mode=mode,
             need_grad=ctx.needs_input_grad[0], chunk_size=chunk_size, config=config,
         )
-        ctx.save_for_backward(grad_hd)
-        ctx.hd_dtype = hd.dtype
+        GradInForward.stash(ctx, grad_hd, hd, n_inputs=10)
         ctx.mark_non_differentiable(tgt_ids, draft_ids)
         return loss, tgt_ids, draft_ids
-
-    @staticmethod
-    @torch.autograd.function.once_differentiable
-    def backward(ctx, grad_loss, _g_tgt, _g_draft):
-        (grad_hd,) = ctx.saved_tensors
-        grad = None
-        if ctx.needs_input_grad[0]:
-            grad = (grad_hd * grad_loss).to(ctx.hd_dtype)
-        return grad, None, None, None, None, None, None, None, None, None
 
 
 def distill_loss_triton(hd, ht, w, pw, *, alpha=0.8, temperature=1.0, clip=None,

@@ -40,7 +40,8 @@ def state_dict_for_vllm(drafter: DFlashDrafter, dtype: torch.dtype | None = None
     return [(name, t.detach().to(dtype or t.dtype)) for name, t in drafter.state_dict().items()]
 
 
-def _fsync(path: Path) -> None:
+def fsync_path(path: Path) -> None:
+    """fsync a file or a directory (so a rename into it is durable)."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -82,15 +83,15 @@ def save_drafter(path: str | os.PathLike, config: DFlashConfig, drafter: DFlashD
                 "format": "pt", "hidden_size": str(length_head.hidden_size),
                 "width": str(length_head.width)})
         for f in tmp.iterdir():
-            _fsync(f)
-        _fsync(tmp)
+            fsync_path(f)
+        fsync_path(tmp)
         # os.replace cannot overwrite a non-empty folder: move the old one aside first.
         old = None
         if dst.exists():
             old = Path(tempfile.mkdtemp(prefix=f".{dst.name}.old-", dir=dst.parent))
             os.replace(dst, old / dst.name)
         os.replace(tmp, dst)
-        _fsync(dst.parent)
+        fsync_path(dst.parent)
         if old is not None:
             shutil.rmtree(old, ignore_errors=True)
     except BaseException:

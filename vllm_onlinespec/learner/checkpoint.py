@@ -36,6 +36,8 @@ import torch
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
+from ..drafter.checkpoint import fsync_path as _fsync_dir
+
 log = logging.getLogger(__name__)
 
 MARKER = "COMPLETE"
@@ -69,12 +71,6 @@ def checkpoint_name(version: int) -> str:
 # -- writing --------------------------------------------------------------------------------------
 
 
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _write_bytes(path: Path, data: bytes) -> str:
