@@ -45,6 +45,14 @@ def build_parser() -> argparse.ArgumentParser:
     from vllm_onlinespec.training.cli import add_train_parser
 
     add_train_parser(sub)
+
+    from vllm_onlinespec.bench.cli import add_bench_parser
+    from vllm_onlinespec.bench.concurrency import add_bench_serve_parser
+    from vllm_onlinespec.bench.demo import add_demo_parser
+
+    add_demo_parser(sub)
+    add_bench_parser(sub)
+    add_bench_serve_parser(sub)
     return p
 
 

@@ -55,9 +55,9 @@ class TrainConfig:
     # optimisation
     epochs: int = 2
     max_steps: int | None = None  # overrides epochs when set
-    batch_size: int = 8  # sequences per step
-    anchors_per_seq: int = 32  # blocks per sequence per step (fewer if the response is short)
-    lr: float = 6e-4
+    batch_size: int = 4  # sequences per step
+    anchors_per_seq: int = 8  # blocks per sequence per step (fewer if the response is short)
+    lr: float = 1e-3
     min_lr_frac: float = 0.1
     warmup_steps: int = 20
     schedule: str = "cosine"  # or "linear"
@@ -294,6 +294,14 @@ def evaluate(drafter: DFlashDrafter, head: LengthHead | None, examples: Sequence
     return out
 
 
+def _truncate_log(path: Path, step: int) -> None:
+    if not path.is_file():
+        return
+    keep = [line for line in path.read_text().splitlines()
+            if line.strip() and json.loads(line).get("step", 0) <= step]
+    path.write_text("".join(line + "\n" for line in keep))
+
+
 def _log(out: Path, row: dict) -> None:
     with open(out / LOG_FILE, "a", encoding="utf-8") as f:
         f.write(json.dumps(row) + "\n")
@@ -367,13 +375,12 @@ def train(target_path: str, train_samples: Sequence[Sample], heldout_samples: Se
     lengths = [len(e.ids) for e in train_ex]
     per_epoch = math.ceil(len(train_ex) / cfg.batch_size)
     total = cfg.max_steps or per_epoch * cfg.epochs
-    epochs = math.ceil(total / per_epoch)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(cfg, total))
 
     run_key = hashlib.sha256(json.dumps(
         {"cfg": cfg.to_json(), "dcfg": dcfg.to_hf_dict(), "data": _samples_key(train_samples, {})},
         sort_keys=True).encode()).hexdigest()[:16]
-    step, evals = 0, []
+    step, evals, window = 0, [], []  # window: step stats since the last train_log row
     state_path = state_dir / "state.pt"
     if state_path.is_file():
         st = torch.load(state_path, weights_only=False)
@@ -385,15 +392,16 @@ def train(target_path: str, train_samples: Sequence[Sample], heldout_samples: Se
             head.load_state_dict(st["length_head"])
         opt.load_state_dict(st["optimizer"])
         sched.load_state_dict(st["scheduler"])
-        step, evals = st["step"], st["evals"]
+        step, evals, window = st["step"], st["evals"], st["window"]
         torch.set_rng_state(st["torch_rng"])
         random.setstate(st["py_rng"])
+        _truncate_log(out / LOG_FILE, step)  # rows logged after the save are redone
         log(f"resumed at step {step}/{total} from {state_path}")
     else:
         (out / LOG_FILE).unlink(missing_ok=True)
 
     def save_state() -> None:
-        _atomic_save({"run_key": run_key, "step": step, "evals": evals,
+        _atomic_save({"run_key": run_key, "step": step, "evals": evals, "window": window,
                       "drafter": drafter.state_dict(),
                       "length_head": head.state_dict() if head is not None else None,
                       "optimizer": opt.state_dict(), "scheduler": sched.state_dict(),
@@ -425,7 +433,7 @@ def train(target_path: str, train_samples: Sequence[Sample], heldout_samples: Se
         run_eval(0)
         t_eval0 = time.perf_counter() - t1
     drafter.train()
-    last_save, window = time.perf_counter(), []
+    last_save = time.perf_counter()
     bar = tqdm(total=total, initial=step, desc="train", unit="step", leave=False)
     stopped = False
     while step < total and not stopped:
@@ -458,7 +466,7 @@ def train(target_path: str, train_samples: Sequence[Sample], heldout_samples: Se
                        "elapsed_s": round(time.perf_counter() - t_train, 1)}
                 _log(out, row)
                 bar.set_postfix(loss=f"{row['loss']:.3f}", acc=f"{row['accepted'] + 1:.2f}")
-                window = []
+                window.clear()
             if step % per_epoch == 0 or step == total:
                 run_eval(math.ceil(step / per_epoch))
                 export_drafter(out, dcfg, drafter, head)

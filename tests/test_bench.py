@@ -1,0 +1,94 @@
+"""Benchmark plumbing without an engine: arm names, streams, results JSON, the report."""
+
+import json
+
+import pytest
+
+from vllm_onlinespec.bench import prompts as P
+from vllm_onlinespec.bench.arms import DEFAULT_ONLINE, known_arm, make_arm
+from vllm_onlinespec.bench.cli import train_flags
+from vllm_onlinespec.bench.report import summarize, write_report
+from vllm_onlinespec.bench.results import ArmResult, RequestResult, WaveResult
+from vllm_onlinespec.config import OnlineSpecConfig
+from vllm_onlinespec.training.data import Prompt
+
+
+@pytest.fixture()
+def drafter_dir(tmp_path):
+    d = tmp_path / "drafter"
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps({
+        "architectures": ["DFlashDraftModel"], "model_type": "qwen3", "hidden_size": 64,
+        "intermediate_size": 128, "num_hidden_layers": 1, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "head_dim": 16, "vocab_size": 100, "rms_norm_eps": 1e-6,
+        "rope_theta": 10000.0, "max_position_embeddings": 2048, "block_size": 8,
+        "dflash_config": {"target_layer_ids": [1], "mask_token_id": 3}}))
+    return str(d)
+
+
+def test_arm_names_map_to_valid_configs(tmp_path, drafter_dir):
+    for name in ["nospec", "ngram", "frozen", "online-ogd", "online-optimistic", "online-ensemble",
+                 "fixed", "adaflash", "budget", "frozen-budget"]:
+        assert known_arm(name)
+        spec = make_arm(name, target="t", prompts="p.jsonl", out_dir=tmp_path, drafter=drafter_dir)
+        if spec.onlinespec is not None:
+            OnlineSpecConfig.from_any(spec.onlinespec)  # every arm's settings validate
+    assert not known_arm("online-sgd")
+    assert make_arm("nospec", target="t", prompts="p", out_dir=tmp_path).speculative_config is None
+    frozen = make_arm("frozen", target="t", prompts="p", out_dir=tmp_path, drafter=drafter_dir)
+    assert frozen.num_speculative_tokens == 7 and not frozen.learning
+    ens = make_arm("online-ensemble", target="t", prompts="p", out_dir=tmp_path, drafter=drafter_dir)
+    assert ens.onlinespec["algorithm"] == "ensemble" and ens.onlinespec["lr"] == DEFAULT_ONLINE["lr"]
+    bud = make_arm("budget", target="t", prompts="p", out_dir=tmp_path, drafter=drafter_dir)
+    assert bud.onlinespec["length_head"] == {"policy": "budget"} and bud.learning
+
+
+def test_interleave_keeps_category_mix_in_every_stretch():
+    ps = [Prompt(id=f"a{i}", source="x", text=f"a{i}", category="a") for i in range(80)]
+    ps += [Prompt(id=f"b{i}", source="x", text=f"b{i}", category="b") for i in range(10)]
+    s = P.interleave(ps, seed=0)
+    assert sorted(p.id for p in s) == sorted(p.id for p in ps)
+    first, second = s[:45], s[45:]
+    assert 4 <= sum(p.category == "b" for p in first) <= 6
+    assert 4 <= sum(p.category == "b" for p in second) <= 6
+
+
+def test_categories_and_train_flags():
+    assert P.parse_categories("all") is None
+    assert "coding" not in P.parse_categories("-coding") and "rag" in P.parse_categories("-coding")
+    f = train_flags(["humaneval"], None)
+    assert "--humaneval" in f and "--spec-bench" not in f
+    f = train_flags(["qa", "math"], "q.jsonl")
+    assert f[f.index("--categories") + 1] == "qa,math" and "--humaneval" not in f
+    with pytest.raises(ValueError):
+        train_flags(["qa"], None)
+
+
+def test_results_roundtrip_and_report(tmp_path):
+    def arm(name, method, accs, onlinespec=None):
+        spec = make_arm("nospec", target="t", prompts="p", out_dir=tmp_path)
+        spec.name, spec.method, spec.onlinespec = name, method, onlinespec
+        r = ArmResult(spec=spec, learner={"published_version": 9} if onlinespec else {})
+        for i, a in enumerate(accs):
+            r.waves.append(WaveResult(index=i, prompts=2, output_tokens=100, wall_s=2.0,
+                                      drafts=50 if method != "none" else 0,
+                                      draft_tokens=200 if method != "none" else 0,
+                                      accepted=round((a - 1) * 50) if method != "none" else 0,
+                                      tpot_ms=20.0))
+            r.requests.append(RequestResult(index=i, prompt_id=str(i), category="c", wave=i,
+                                            output_tokens=100, tpot_ms=20.0,
+                                            acceptance_length=a if method != "none" else None))
+        return r
+
+    results = [arm("nospec", "none", [1, 1, 1, 1]), arm("frozen", "dflash", [1.2, 1.2, 1.2, 1.2]),
+               arm("online-ogd", "dflash", [1.2, 1.3, 1.5, 1.6], {"lr": 1e-3})]
+    again = ArmResult.from_json(json.loads(json.dumps(results[2].to_json())))
+    assert again.totals() == results[2].totals()
+    rows = {r.arm: r for r in summarize(results)}
+    assert rows["online-ogd"].early == pytest.approx(1.25) and rows["online-ogd"].late == pytest.approx(1.55)
+    assert rows["online-ogd"].drafter_version == 9 and rows["nospec"].speedup == pytest.approx(1.0)
+    paths = write_report(results, tmp_path / "rep", title="t", meta={"x": 1}, notes=["n"])
+    assert "online-ogd" in paths["markdown"].read_text()
+    assert json.loads(paths["json"].read_text())["summary"][2]["late"] == pytest.approx(1.55)
+    for k in ("acceptance", "acceptance_requests", "throughput"):
+        assert paths[k].stat().st_size > 1000

@@ -1,0 +1,362 @@
+"""Offline training: block loss, anchors, data, generation cache, the trainer, the CLI's errors.
+
+No vLLM engine here: generation uses an injected fake generator (the tiny target's own greedy
+decoding through HF).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from vllm_onlinespec.config import LossConfig
+from vllm_onlinespec.drafter import DFlashConfig, DFlashDrafter, LengthHead, load_drafter
+from vllm_onlinespec.training import data
+from vllm_onlinespec.training.blocks import (block_loss, greedy_accepted, response_mask,
+                                             sample_anchors)
+from vllm_onlinespec.training.generate import Sample, SamplingSpec, generate
+from vllm_onlinespec.training.trainer import TrainConfig, train
+
+VOCAB = 128
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    # Tiny matmuls on a shared 2-core box: a second OpenMP thread waiting on a busy core made
+    # these tests 10x slower, not 2x faster.
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+# -- a tiny target with learnable structure ----------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def walk_target():
+    """4-layer random Llama whose greedy continuation walks a fixed permutation: x -> pi(x).
+
+    Its random layers barely move the residual stream, so the final state is ~ the last token's
+    embedding; an LM head made of the embedding rows in permuted order makes pi(x) the argmax.
+    Drafting k tokens ahead then means learning pi^k: structure a drafter can learn, not a copy.
+    """
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                      max_position_embeddings=512, tie_word_embeddings=False,
+                      bos_token_id=1, eos_token_id=2, pad_token_id=2)
+    model = LlamaForCausalLM(cfg).eval().requires_grad_(False)
+    perm = torch.randperm(VOCAB, generator=torch.Generator().manual_seed(1))
+    inv = torch.argsort(perm)
+    with torch.no_grad():
+        model.model.embed_tokens.weight.normal_(0, 0.3)
+        model.lm_head.weight.copy_(model.model.embed_tokens.weight[inv])  # row pi(x) = E[x]
+    return model, perm
+
+
+def fake_generate_fn(model, calls=None):
+    """A GenerateFn: greedy decoding of the tiny target (stands in for vLLM), batched over
+    prompts of equal length, no KV cache (sequences are a few dozen tokens)."""
+    @torch.no_grad()
+    def fn(prompt_ids, spec):
+        if calls is not None:
+            calls.append(len(prompt_ids))
+        out: list = [None] * len(prompt_ids)
+        for n in {len(i) for i in prompt_ids}:
+            rows = [r for r, i in enumerate(prompt_ids) if len(i) == n]
+            seq = torch.tensor([prompt_ids[r] for r in rows])
+            for _ in range(spec.max_tokens):
+                seq = torch.cat([seq, model(seq).logits[:, -1].argmax(-1, keepdim=True)], dim=1)
+            for r, s in zip(rows, seq):
+                out[r] = [s[n:].tolist()] * spec.n
+        return out
+    return fn
+
+
+class _Tok:
+    """Chat 'tokenizer' for the tiny target: one token per character of the user turn."""
+
+    def apply_chat_template(self, messages, add_generation_prompt, tokenize):
+        return messages[-1]["content"]
+
+    def __call__(self, text, add_special_tokens):
+        return {"input_ids": [1] + [3 + (ord(c) % (VOCAB - 3)) for c in text]}
+
+
+# -- block_loss against a hand computation -----------------------------------------------------------
+
+def _tiny_drafter(block_size=4):
+    cfg = DFlashConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                       num_attention_heads=4, num_key_value_heads=2, head_dim=8, vocab_size=50,
+                       target_layer_ids=[0, 1], mask_token_id=0, block_size=block_size,
+                       rope_theta=10000.0, torch_dtype="float32")
+    torch.manual_seed(0)
+    d = DFlashDrafter(cfg)
+    for p in d.parameters():  # beyond the init so nothing is trivially symmetric
+        p.data.add_(0.05 * torch.randn_like(p))
+    return cfg, d
+
+
+def test_block_loss_equals_hand_computation():
+    cfg, drafter = _tiny_drafter(block_size=4)
+    k, gamma, T, alpha = 3, 3.0, 2.0, 0.7
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(1, 50, (2, 12), generator=g)
+    aux = torch.randn(2, 12, 64, generator=g)
+    final = torch.randn(2, 12, 32, generator=g)
+    emb = torch.randn(50, 32, generator=g)
+    head = torch.randn(50, 32, generator=g)
+    anchors = torch.tensor([[1, 5, 9, -1], [0, 4, 8, -1]])  # non-overlapping; 9 and 8 are partial
+    lengths = torch.tensor([12, 10])
+    # Make some rows agree so acceptance is non-trivial: block (0,0) agrees on rows 1-2 along
+    # the greedy path, block (1,1) on row 1 only. The drafter only reads ids at anchors.
+    with torch.no_grad():
+        h0 = drafter.train_hidden(aux, ids, anchors, emb)
+        for (b, j), m in {(0, 0): 2, (1, 1): 1}.items():
+            a = int(anchors[b, j])
+            for r in range(m):
+                final[b, a + r] = h0[b, j, r]
+                ids[b, a + 1 + r] = int((h0[b, j, r] @ head.T).argmax())
+    lhead = LengthHead(32, width=16)
+    loss_cfg = LossConfig(alpha=alpha, temperature=T, gamma=gamma, mode="reverse_kl")
+    loss, st = block_loss(drafter, ids, aux, final, anchors, emb, head, loss_cfg=loss_cfg,
+                          length_head=lhead, lengths=lengths, impl="naive")
+
+    h = drafter.train_hidden(aux, ids, anchors, emb)
+    num = den = 0.0
+    acc_all, len_err, full_acc = [], [], []
+    for b in range(2):
+        for j in range(4):
+            a = int(anchors[b, j])
+            if a < 0:
+                continue
+            accepted, alive, censored = 0, True, False
+            for r in range(k):
+                pos = a + 1 + r
+                if pos >= int(lengths[b]):
+                    censored = alive
+                    break
+                q = h[b, j, r] @ head.T
+                p = final[b, a + r] @ head.T
+                t = int(p.argmax())
+                ce = -F.log_softmax(q, -1)[t]
+                lq, lp = F.log_softmax(q / T, -1), F.log_softmax(p / T, -1)
+                kl = (lq.exp() * (lq - lp)).sum()
+                w = math.exp(-r / gamma)
+                num = num + w * (alpha * ce + (1 - alpha) * T * T * kl)
+                den += w
+                if alive and int(q.argmax()) == t:
+                    accepted += 1
+                    if int(ids[b, pos]) != t:  # left the greedy path: the rest is unknowable
+                        alive, censored = False, r < k - 1
+                else:
+                    alive = False
+            if a + k < int(lengths[b]):
+                full_acc.append(accepted)
+            acc_all.append(accepted)
+            if not censored:
+                pred = lhead(h[b, j].detach())
+                len_err.append((pred - min(1.0, (accepted + 1) / 4)) ** 2)
+    hand = num / den + torch.stack(len_err).mean()
+    torch.testing.assert_close(loss, hand, rtol=1e-5, atol=1e-6)
+    assert st.accepted == pytest.approx(sum(full_acc) / len(full_acc))
+    assert st.blocks == 6 and st.full_blocks == len(full_acc) == 4
+    assert max(acc_all) == 2  # the planted agreement was seen
+
+    # Same gradient for the drafter and the length head.
+    g1 = torch.autograd.grad(loss, [drafter.fc.weight, lhead.out.weight], retain_graph=True)
+    g2 = torch.autograd.grad(hand, [drafter.fc.weight, lhead.out.weight])
+    for x, y in zip(g1, g2):
+        torch.testing.assert_close(x, y, rtol=1e-4, atol=1e-7)
+
+
+def test_greedy_accepted_censoring():
+    d = torch.tensor([[5, 6, 7], [5, 6, 7], [5, 9, 7], [5, 6, 7]])
+    t = torch.tensor([[5, 6, 7], [5, 6, 8], [5, 6, 7], [5, 6, 7]])
+    lab = torch.tensor([[5, 6, 7], [5, 6, 8], [5, 6, 7], [5, 1, 7]])  # row 3 leaves the path
+    valid = torch.ones(4, 3, dtype=torch.bool)
+    acc, cen = greedy_accepted(d, t, lab, valid)
+    assert acc.tolist() == [3, 2, 1, 2] and cen.tolist() == [False, False, False, True]
+    valid[0, 2] = False  # window ran out after two matches
+    acc, cen = greedy_accepted(d, t, lab, valid)
+    assert acc[0] == 2 and cen[0]
+
+
+# -- anchors ------------------------------------------------------------------------------------------
+
+def test_anchors_only_in_responses_full_windows_first():
+    g = torch.Generator().manual_seed(0)
+    starts = torch.tensor([10, 3, 20, 30])
+    lengths = torch.tensor([40, 12, 26, 31])
+    allowed = response_mask(starts, lengths, 40)
+    for _ in range(20):
+        a = sample_anchors(allowed, lengths, 8, 3, g)
+        for b in range(4):
+            used = a[b][a[b] >= 0]
+            assert (used >= starts[b]).all() and (used < lengths[b] - 1).all()  # never the prompt
+            assert used.unique().numel() == used.numel()
+            assert (a[b][used.numel():] == -1).all() and (used.diff() > 0).all()
+            n_allowed = int(allowed[b].sum())
+            assert used.numel() == min(8, n_allowed)
+            n_full = int((allowed[b] & (torch.arange(40) + 3 < lengths[b])).sum())
+            assert int((used + 3 < lengths[b]).sum()) == min(8, n_full)
+    assert (sample_anchors(allowed, lengths, 8, 3, g)[3] == -1).all()  # response of 1 token
+
+
+# -- data ---------------------------------------------------------------------------------------------
+
+def test_prompt_sources_and_stable_split(tmp_path):
+    f = tmp_path / "p.jsonl"
+    rows = [{"prompt": f"question {i}"} for i in range(200)]
+    rows += [{"turns": ["first turn", "second"], "category": "qa", "question_id": 7},
+             {"messages": [{"role": "user", "content": "hi there"}]}, {"prompt": "question 3"}]
+    f.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    prompts = data.dedupe(data.load_jsonl(f))
+    assert len(prompts) == 202
+    assert prompts[200].text == "first turn" and prompts[200].id == "jsonl:7"
+    train_p, held = data.split_prompts(prompts, 0.2, seed=0)
+    assert 20 < len(held) < 60 and not {p.text for p in train_p} & {p.text for p in held}
+    # A prompt's side does not depend on the other prompts or their order.
+    _, held2 = data.split_prompts(list(reversed(prompts[:50])), 0.2, seed=0)
+    assert {p.text for p in held2} == {p.text for p in held if p in prompts[:50]}
+    # ... nor on the process: pinned, since Python's own str hash changes per run.
+    pinned = [data.Prompt(id=str(i), source="t", text=f"question {i}") for i in range(20)]
+    assert [p.text for p in data.split_prompts(pinned, 0.2, seed=0)[1]] == [
+        "question 4", "question 6", "question 9", "question 12", "question 19"]
+    assert data.load_jsonl(f, categories=["qa"])[0].text == "first turn"
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"question": "x"}\n')
+    with pytest.raises(ValueError, match="bad.jsonl:1"):
+        data.load_jsonl(bad)
+    he = data.load_humaneval()
+    assert len(he) == 164 and "def " in he[0].text
+
+
+def test_spec_bench_categories(spec_bench_questions, tmp_path):
+    from tests.conftest import SPEC_BENCH
+
+    ps = data.load_spec_bench(SPEC_BENCH, ["qa", "coding"])
+    assert {p.category for p in ps} == {"qa", "coding"} and len(ps) == 90
+    with pytest.raises(ValueError, match="unknown Spec-Bench categories"):
+        data.load_spec_bench(SPEC_BENCH, ["nope"])
+
+
+# -- generation cache ---------------------------------------------------------------------------------
+
+def test_generate_caches_and_reuses(walk_target, tmp_path):
+    model, _ = walk_target
+    calls: list[int] = []
+    fn = fake_generate_fn(model, calls)
+    ps = [data.Prompt(id=f"t:{i}", source="t", text=f"prompt {i}") for i in range(3)]
+    spec = SamplingSpec(max_tokens=5)
+    cfg_dir = tmp_path / "model"
+    cfg_dir.mkdir()
+    (cfg_dir / "config.json").write_text("{}")
+    s1 = generate(cfg_dir, ps, spec, tokenizer=_Tok(), cache_dir=tmp_path, generate_fn=fn,
+                  log=lambda m: None)
+    assert calls == [3] and len(s1) == 3
+    assert all(s.response_tokens == 5 and s.ids[:s.start] == [1] + [3 + ord(c) % 125 for c in
+               f"prompt {i}"] for i, s in enumerate(s1))
+    s2 = generate(cfg_dir, ps + [data.Prompt(id="t:9", source="t", text="new")], spec,
+                  tokenizer=_Tok(), cache_dir=tmp_path, generate_fn=fn, log=lambda m: None)
+    assert calls == [3, 1] and [s.ids for s in s2[:3]] == [s.ids for s in s1]
+    generate(cfg_dir, ps, SamplingSpec(max_tokens=6), tokenizer=_Tok(), cache_dir=tmp_path,
+             generate_fn=fn, log=lambda m: None)
+    assert calls == [3, 1, 3]  # other sampling params: another cache
+    with pytest.raises(ValueError, match="identical"):
+        SamplingSpec(n=2)
+
+
+# -- the trainer --------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def walk_samples(walk_target, tmp_path_factory):
+    model, _ = walk_target
+    g = torch.Generator().manual_seed(3)
+    ps = [data.Prompt(id=f"w:{i}", source="w", text="".join(
+        chr(97 + int(c)) for c in torch.randint(0, 26, (6,), generator=g))) for i in range(72)]
+    train_p, held_p = ps[:64], ps[64:]
+    spec = SamplingSpec(max_tokens=24)
+    cache = tmp_path_factory.mktemp("gen")
+    kw = dict(tokenizer=_Tok(), cache_dir=cache, generate_fn=fake_generate_fn(model),
+              log=lambda m: None)
+    return generate(cache, train_p, spec, **kw), generate(cache, held_p, spec, **kw)
+
+
+def _cfg(**kw):
+    base = dict(num_layers=1, block_size=4, num_target_features=2, mask_token_id=0, epochs=10,
+                batch_size=8, anchors_per_seq=16, lr=1e-2, warmup_steps=4, eval_anchors=8,
+                log_every=4, loss=LossConfig(alpha=0.8, gamma=4.0))
+    base.update(kw)
+    return TrainConfig(**base)
+
+
+def test_training_lowers_loss_and_raises_acceptance(walk_target, walk_samples, tmp_path):
+    model, perm = walk_target
+    train_s, held_s = walk_samples
+    walk = train_s[0].ids[train_s[0].start:]
+    assert all(perm[a] == b for a, b in zip(walk, walk[1:]))  # the data is the permutation walk
+    res = train("unused", train_s, held_s, tmp_path / "run", _cfg(), target=model,
+                log=lambda m: None)
+    first, last = res.evals[0], res.evals[-1]
+    assert [e["epoch"] for e in res.evals] == list(range(11))
+    assert last["loss"] < 0.5 * first["loss"]
+    assert first["accepted"] < 0.2 and last["accepted"] > 0.5  # of K = 3
+    assert min(last["match"]) > 0.2  # rows 2-3 need pi^2, pi^3: learned, not copied
+    log = [json.loads(x) for x in (tmp_path / "run" / "train_log.jsonl").read_text().splitlines()]
+    train_rows = [r for r in log if r["event"] == "train"]
+    assert train_rows[-1]["loss"] < train_rows[0]["loss"]
+    # The exported folder is a loadable drafter with the mask token and the length head.
+    dcfg, drafter, head = load_drafter(tmp_path / "run", dtype=torch.float32)
+    assert dcfg.mask_token_id == 0 and dcfg.block_size == 4 and head is not None
+    meta = json.loads((tmp_path / "run" / "train_meta.json").read_text())
+    assert meta["num_speculative_tokens"] == 3 and meta["train_sequences"] == 64
+
+
+def test_resume_continues_with_identical_state(walk_target, walk_samples, tmp_path):
+    model, _ = walk_target
+    train_s, held_s = walk_samples
+    cfg = _cfg(epochs=2, batch_size=16)  # 4 steps per epoch, 8 in all
+    full = train("unused", train_s, held_s, tmp_path / "a", cfg, target=model, log=lambda m: None)
+    part = train("unused", train_s, held_s, tmp_path / "b", cfg, target=model, stop_after=5,
+                 log=lambda m: None)
+    assert part.steps == 5
+    msgs: list[str] = []
+    rest = train("unused", train_s, held_s, tmp_path / "b", cfg, target=model, log=msgs.append)
+    assert any("resumed at step 5" in m for m in msgs) and rest.steps == full.steps == 8
+    for (n, x), (_, y) in zip(full.drafter.state_dict().items(), rest.drafter.state_dict().items()):
+        assert torch.equal(x, y), n
+    for x, y in zip(full.length_head.parameters(), rest.length_head.parameters()):
+        assert torch.equal(x, y)
+    assert [e["acceptance"] for e in full.evals] == [e["acceptance"] for e in rest.evals]
+
+    def log_rows(d):  # minus wall-clock fields
+        rows = [json.loads(x) for x in (tmp_path / d / "train_log.jsonl").read_text().splitlines()]
+        return [{k: v for k, v in r.items() if not k.endswith("_s")} for r in rows]
+    assert log_rows("a") == log_rows("b")
+    with pytest.raises(ValueError, match="other settings"):
+        train("unused", train_s, held_s, tmp_path / "b", _cfg(epochs=3, batch_size=16),
+              target=model, log=lambda m: None)
+
+
+# -- command line -------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("argv, msg", [
+    (["--out", "X"], "no prompts"),
+    (["--out", "X", "--humaneval", "--block-size", "1"], "--block-size must be >= 2"),
+    (["--humaneval"], "--out is required"),
+    (["--out", "X", "--categories", "qa", "--humaneval"], "--categories needs --spec-bench"),
+    (["--out", "X", "--prompts", "/nonexistent.jsonl"], "no such prompt file"),
+])
+def test_cli_one_line_errors(argv, msg, tmp_path, capsys):
+    from vllm_onlinespec.cli import main
+
+    argv = [str(tmp_path / a) if a == "X" else a for a in argv]
+    assert main(["train", *argv]) == 2
+    err = capsys.readouterr().err.strip()
+    assert msg in err and "\n" not in err

@@ -1,0 +1,165 @@
+"""One benchmark arm: one vLLM engine serving one prompt stream, wave after wave.
+
+    python -m vllm_onlinespec.bench.arm SPEC.json
+
+Stream protocol: the prompts are served in file order, `wave` at a time (one batched
+`llm.chat` call per wave); every prompt is served exactly once. A wave's acceptance is measured
+while it is served, so it reflects what the learner had learned from earlier waves only:
+learning from past traffic to serve future traffic, never memory of the same prompts.
+
+Progress goes to stdout as `@@bench {json}` lines (the runner turns them into a progress bar);
+the result JSON is rewritten after every wave, so a crash keeps what was measured.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+import traceback
+
+from vllm_onlinespec.bench.results import ArmResult, ArmSpec, RequestResult, WaveResult
+
+PROGRESS_TAG = "@@bench "
+SPEC_COUNTERS = {"accepted": "vllm:spec_decode_num_accepted_tokens",
+                 "draft_tokens": "vllm:spec_decode_num_draft_tokens",
+                 "drafts": "vllm:spec_decode_num_drafts"}
+
+
+def progress(event: str, **kw) -> None:
+    print(PROGRESS_TAG + json.dumps({"event": event, **kw}), flush=True)
+
+
+def load_prompts(path: str) -> list[dict]:
+    with open(path, encoding="utf-8") as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def make_llm(spec: ArmSpec):
+    from vllm import LLM
+
+    from vllm_onlinespec.engine import engine_kwargs
+
+    kw = engine_kwargs(max_model_len=spec.max_model_len)
+    if spec.method != "none":
+        kw["speculative_config"] = spec.speculative_config
+        kw["per_request_spec_decode_metrics"] = "summary"
+    if spec.onlinespec is not None:
+        kw["additional_config"] = {"onlinespec": spec.onlinespec}
+    return LLM(model=spec.target, dtype=spec.dtype, disable_log_stats=False, **kw)
+
+
+def spec_counters(llm) -> dict[str, int]:
+    found = {m.name: m.value for m in llm.get_metrics() if hasattr(m, "value")}
+    return {k: int(found.get(name, 0)) for k, name in SPEC_COUNTERS.items()}
+
+
+def onlinespec_stats(llm, spec: ArmSpec) -> dict:
+    if spec.onlinespec is None:
+        return {}
+    return llm.collective_rpc("onlinespec_stats")[0]
+
+
+def request_result(o, index: int, prompt: dict, wave: int, version: int) -> RequestResult:
+    comp = o.outputs[0]
+    n = len(comp.token_ids)
+    tpot = float("nan")
+    m = getattr(o, "metrics", None)
+    if m is not None and n > 1 and getattr(m, "last_token_ts", 0) > getattr(m, "first_token_ts", 0):
+        tpot = (m.last_token_ts - m.first_token_ts) / (n - 1) * 1e3
+    al = None
+    sdm = getattr(comp, "spec_decode_metrics", None)
+    if sdm is not None:
+        al = float(sdm.to_dict()["mean_acceptance_length"])
+    return RequestResult(index=index, prompt_id=prompt.get("id", str(index)),
+                         category=prompt.get("category", ""), wave=wave, output_tokens=n,
+                         tpot_ms=tpot, acceptance_length=al, drafter_version=version)
+
+
+def catch_up(llm, spec: ArmSpec, wave_size: int) -> float:
+    """Pause (at most spec.catch_up_s) until the learner has trained on this wave's feedback."""
+    if spec.catch_up_s <= 0 or not spec.learning:
+        return 0.0
+    t0 = time.perf_counter()
+    # Each request's newest K tokens wait for labels that never come once it finished.
+    floor = wave_size * max(1, spec.num_speculative_tokens)
+    while time.perf_counter() - t0 < spec.catch_up_s:
+        if onlinespec_stats(llm, spec).get("buffer/fresh", 0) <= floor:
+            break
+        time.sleep(0.25)
+    return time.perf_counter() - t0
+
+
+def run(spec: ArmSpec) -> ArmResult:
+    from vllm import SamplingParams
+
+    res = ArmResult(spec=spec)
+    prompts = load_prompts(spec.prompts)
+    t0 = time.perf_counter()
+    llm = make_llm(spec)
+    res.startup_s = time.perf_counter() - t0
+    n_waves = -(-len(prompts) // spec.wave)
+    progress("started", startup_s=res.startup_s, waves=n_waves, prompts=len(prompts))
+    params = SamplingParams(temperature=0.0, max_tokens=spec.max_tokens)
+    try:
+        for w in range(n_waves):
+            batch = prompts[w * spec.wave:(w + 1) * spec.wave]
+            st0 = onlinespec_stats(llm, spec)
+            c0 = spec_counters(llm)
+            t = time.perf_counter()
+            outs = llm.chat([p["messages"] for p in batch], params, use_tqdm=False)
+            wall = time.perf_counter() - t
+            c1 = spec_counters(llm)
+            st1 = onlinespec_stats(llm, spec)
+            v0 = int(st0.get("published_version", 0))
+            reqs = [request_result(o, w * spec.wave + i, p, w, v0)
+                    for i, (o, p) in enumerate(zip(outs, batch))]
+            res.requests += reqs
+            tpots = [r.tpot_ms for r in reqs if r.tpot_ms == r.tpot_ms]
+            wr = WaveResult(index=w, prompts=len(batch),
+                            output_tokens=sum(r.output_tokens for r in reqs), wall_s=wall,
+                            **{k: c1[k] - c0[k] for k in SPEC_COUNTERS},
+                            tpot_ms=sum(tpots) / len(tpots) if tpots else float("nan"),
+                            version_start=v0, version_end=int(st1.get("published_version", 0)),
+                            learner_updates=int(st1.get("learner/updates", 0)))
+            wr.catch_up_s = catch_up(llm, spec, len(batch))
+            res.waves.append(wr)
+            res.serve_s += wall
+            res.save()
+            progress("wave", index=w, prompts=len(batch), acceptance_length=wr.acceptance_length,
+                     tok_s=wr.tok_s, version=wr.version_end)
+        res.learner = onlinespec_stats(llm, spec)
+    finally:
+        res.save()
+        try:
+            llm.llm_engine.engine_core.shutdown()  # stops the engine and worker processes now
+        except Exception:  # noqa: BLE001 - the result is saved; exiting cleans up the rest
+            pass
+    return res
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if len(argv) != 1:
+        print("usage: python -m vllm_onlinespec.bench.arm SPEC.json", file=sys.stderr)
+        return 2
+    with open(argv[0], encoding="utf-8") as f:
+        spec = ArmSpec(**json.load(f))
+    for k, v in spec.env.items():
+        os.environ[k] = str(v)
+    try:
+        run(spec)
+    except Exception as e:  # noqa: BLE001 - the runner reads the error from the result file
+        traceback.print_exc()
+        res = ArmResult.load(spec.out) if os.path.exists(spec.out) else ArmResult(spec=spec)
+        res.error = f"{type(e).__name__}: {e}"
+        res.save()
+        progress("error", error=res.error)
+        return 1
+    progress("done")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

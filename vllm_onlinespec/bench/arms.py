@@ -1,0 +1,96 @@
+"""Arm names -> ArmSpec.
+
+    nospec                       plain vLLM, no speculation
+    ngram                        vLLM's prompt-lookup speculation, same K as the drafter
+    frozen                       our DFlash drafter, onlinespec enabled=false (start weights only)
+    online-<algorithm>           learning on: ogd | optimistic | optimistic_momentum | ensemble
+    fixed | adaflash | budget    learning on (ogd) with that verify-length policy
+    frozen-adaflash, ...         a policy without learning
+
+Every learning arm starts from the same drafter weights and uses the same online settings
+(`online` below), so arms differ only in what their name says.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+
+from vllm_onlinespec.bench.results import ArmSpec
+
+ALGORITHMS = ("ogd", "optimistic", "optimistic_momentum", "ensemble")
+POLICIES = ("fixed", "adaflash", "budget")
+
+# Online settings measured on the 2-core CPU box to learn within a few hundred requests of new
+# traffic (see bench/demo.py for how they were chosen). lr is per update and updates are small
+# (batch_blocks blocks), so it is larger than an offline lr. The learner shares the CPU with
+# serving; learner_cpu_share bounds its duty cycle.
+DEFAULT_ONLINE: dict = {
+    "lr": 3e-4, "batch_blocks": 16, "anchors_per_request": 4, "min_new_tokens_per_update": 32,
+    "learner_cpu_share": 0.5, "ensemble_lrs": [1e-4, 3e-4, 1e-3],
+    "buffer": {"window_tokens": 512, "max_tokens": 16384, "max_requests": 64},
+}
+
+
+def drafter_k(drafter: str | Path) -> int:
+    """num_speculative_tokens for a drafter folder: its block_size - 1 (DFlash blocks include
+    the last committed token)."""
+    from vllm_onlinespec.drafter.config import DFlashConfig
+
+    cfg = json.loads((Path(drafter) / "config.json").read_text())
+    return DFlashConfig.from_hf_dict(cfg).block_size - 1
+
+
+def known_arm(name: str) -> bool:
+    try:
+        _parse(name)
+        return True
+    except ValueError:
+        return False
+
+
+def _parse(name: str) -> tuple[str, dict | None]:
+    """(method, onlinespec overrides or None) for an arm name."""
+    if name == "nospec":
+        return "none", None
+    if name == "ngram":
+        return "ngram", None
+    if name == "frozen":
+        return "dflash", {"enabled": False}
+    if name.startswith("online-") and name[7:] in ALGORITHMS:
+        return "dflash", {"algorithm": name[7:]}
+    if name in POLICIES:
+        return "dflash", {"length_head": {"policy": name}}
+    if name.startswith("frozen-") and name[7:] in POLICIES:
+        return "dflash", {"enabled": False, "length_head": {"policy": name[7:]}}
+    raise ValueError(f"unknown arm {name!r}; known: nospec, ngram, frozen, "
+                     + ", ".join(f"online-{a}" for a in ALGORITHMS) + ", "
+                     + ", ".join(POLICIES) + ", frozen-<policy>")
+
+
+def _merge(base: dict, over: dict) -> dict:
+    out = copy.deepcopy(base)
+    for k, v in over.items():
+        out[k] = _merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
+def make_arm(name: str, *, target: str, prompts: str, out_dir: str | Path,
+             drafter: str | None = None, num_speculative_tokens: int | None = None,
+             online: dict | None = None, **spec_kw) -> ArmSpec:
+    method, over = _parse(name)
+    k = 0
+    if method != "none":
+        if drafter is None and method == "dflash":
+            raise ValueError(f"arm {name!r} needs a drafter (--drafter or training)")
+        k = num_speculative_tokens or (drafter_k(drafter) if drafter else 4)
+    onlinespec = None
+    if over is not None:
+        base = online if online is not None else DEFAULT_ONLINE
+        onlinespec = _merge(base, over) if over.get("enabled", True) else _merge(
+            {k2: v for k2, v in base.items() if k2 == "length_head"}, over)
+    return ArmSpec(name=name, target=target, prompts=str(prompts),
+                   out=str(Path(out_dir) / "arms" / f"{name}.json"), method=method,
+                   drafter=drafter if method == "dflash" else None,
+                   num_speculative_tokens=k, onlinespec=onlinespec, **spec_kw)

@@ -1,0 +1,299 @@
+"""Concurrency benchmark (issue 5): `vllm serve` per arm, `vllm bench serve` at several
+concurrencies, vLLM's own client and dataset loader (`--dataset-name spec_bench`).
+
+    vllm-onlinespec bench-serve --spec-bench question.jsonl --arms nospec,fixed,adaflash,budget \\
+        --concurrency 1,4,16,32 --out runs/concurrency
+
+Per arm: one server (SmolLM2 + the drafter, online learning on for the speculative arms), then
+for each concurrency C one `vllm bench serve` run with --max-concurrency C; /metrics is scraped
+before and after each run, so the spec counters are per point. The server keeps learning across
+the points of one arm (they run in the order given), as it would in production.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from tqdm.auto import tqdm
+
+from vllm_onlinespec.bench.results import ArmSpec
+
+SERVED_NAME = "onlinespec-bench"
+COUNTERS = {
+    "accepted": "vllm:spec_decode_num_accepted_tokens_total",
+    "draft_tokens": "vllm:spec_decode_num_draft_tokens_total",
+    "drafts": "vllm:spec_decode_num_drafts_total",
+    "verify_tokens": "onlinespec:verify_tokens_total",
+    "proposed_tokens": "onlinespec:draft_tokens_total",
+    "version": "onlinespec:drafter_version",
+}
+
+
+@dataclass
+class Point:
+    arm: str
+    concurrency: int
+    num_prompts: int
+    completed: int
+    failed: int
+    duration_s: float
+    output_tok_s: float
+    mean_tpot_ms: float
+    p50_tpot_ms: float
+    p99_tpot_ms: float
+    acceptance_length: float | None = None  # (accepted + drafts) / drafts, vLLM counters
+    mean_verify_len: float | None = None  # onlinespec verify tokens per verify step
+    verify_fraction: float | None = None  # verified / proposed draft tokens (policy cut)
+    drafter_version: int | None = None  # at the end of the point
+
+
+# -- server ---------------------------------------------------------------------------------------
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def serve_cmd(spec: ArmSpec, port: int) -> list[str]:
+    from vllm_onlinespec.engine import serve_args
+
+    cmd = [str(Path(sys.executable).parent / "vllm"), "serve", spec.target, "--host", "127.0.0.1",
+           "--port", str(port), "--dtype", spec.dtype, "--served-model-name", SERVED_NAME,
+           *serve_args(max_model_len=spec.max_model_len)]
+    if spec.speculative_config:
+        cmd += ["--speculative-config", json.dumps(spec.speculative_config)]
+    if spec.onlinespec is not None:
+        cmd += ["--additional-config", json.dumps({"onlinespec": spec.onlinespec})]
+    return cmd
+
+
+def wait_healthy(url: str, proc: subprocess.Popen, timeout: float = 600) -> None:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"vllm serve exited early with code {proc.returncode}")
+        try:
+            with urllib.request.urlopen(url + "/health", timeout=2) as r:
+                if r.status == 200:
+                    return
+        except OSError:
+            time.sleep(1)
+    raise TimeoutError(f"vllm serve not healthy after {timeout:.0f} s")
+
+
+def stop(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGINT)  # lets the worker write its final checkpoint
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def scrape(url: str) -> dict[str, float]:
+    """Sum of each metric over its label sets (one engine, possibly several workers)."""
+    text = urllib.request.urlopen(url + "/metrics", timeout=10).read().decode()
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        m = re.match(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})? ([0-9.eE+-]+|NaN)$", line)
+        if m and m.group(3) != "NaN":
+            out[m.group(1)] = out.get(m.group(1), 0.0) + float(m.group(3))
+    return out
+
+
+def spec_figures(before: dict, after: dict) -> dict:
+    d = {k: after.get(n, 0.0) - before.get(n, 0.0) for k, n in COUNTERS.items()}
+    drafts = d["drafts"]
+    return {"acceptance_length": (d["accepted"] + drafts) / drafts if drafts else None,
+            "mean_verify_len": d["verify_tokens"] / drafts if drafts and d["verify_tokens"] else None,
+            "verify_fraction": (d["verify_tokens"] / d["proposed_tokens"]
+                                if d["proposed_tokens"] else None),
+            "drafter_version": int(after[COUNTERS["version"]]) if COUNTERS["version"] in after
+            else None}
+
+
+# -- client ---------------------------------------------------------------------------------------
+
+def bench_point(url: str, spec: ArmSpec, dataset: Path, concurrency: int, num_prompts: int,
+                output_len: int, result_dir: Path, log) -> dict:
+    name = f"{spec.name}-c{concurrency}.json"
+    cmd = [str(Path(sys.executable).parent / "vllm"), "bench", "serve", "--base-url", url,
+           "--model", SERVED_NAME, "--tokenizer", spec.target, "--dataset-name", "spec_bench",
+           "--dataset-path", str(dataset), "--spec-bench-output-len", str(output_len),
+           "--num-prompts", str(num_prompts), "--max-concurrency", str(concurrency),
+           "--seed", "0", "--percentile-metrics", "ttft,tpot,itl", "--metric-percentiles", "50,99",
+           "--save-result", "--result-dir", str(result_dir), "--result-filename", name,
+           "--disable-tqdm", "--temperature", "0"]
+    rc = subprocess.call(cmd, stdout=log, stderr=subprocess.STDOUT)
+    path = result_dir / name
+    if rc != 0 or not path.is_file():
+        raise RuntimeError(f"vllm bench serve failed (exit code {rc}); see {log.name}")
+    return json.loads(path.read_text())
+
+
+def write_dataset(spec_bench: str, out: Path, tokenizer_path: str, max_prompt_tokens: int) -> Path:
+    """Spec-Bench rows whose chat prompt fits max_prompt_tokens, in Spec-Bench's own format (so
+    vLLM's spec_bench loader reads it): long RAG contexts would be mostly prefill on a CPU."""
+    from transformers import AutoTokenizer
+
+    from vllm_onlinespec.training.data import load_spec_bench
+    from vllm_onlinespec.training.generate import chat_ids
+
+    tok = AutoTokenizer.from_pretrained(tokenizer_path)
+    keep = {p.text for p in load_spec_bench(spec_bench) if len(chat_ids(tok, p)) <= max_prompt_tokens}
+    path = out / "spec_bench_filtered.jsonl"
+    out.mkdir(parents=True, exist_ok=True)
+    with open(spec_bench, encoding="utf-8") as src, open(path, "w", encoding="utf-8") as dst:
+        for line in src:
+            if line.strip() and json.loads(line)["turns"][0] in keep:
+                dst.write(line if line.endswith("\n") else line + "\n")
+    return path
+
+
+def run_arm(spec: ArmSpec, dataset: Path, concurrencies: list[int], prompts_for, output_len: int,
+            out: Path) -> list[Point]:
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    logs = out / "logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    points: list[Point] = []
+    with open(logs / f"{spec.name}.serve.log", "w") as slog, \
+            open(logs / f"{spec.name}.bench.log", "w") as blog:
+        proc = subprocess.Popen(serve_cmd(spec, port), stdout=slog, stderr=subprocess.STDOUT,
+                                env={**os.environ, "VLLM_LOGGING_LEVEL": "INFO"})
+        try:
+            wait_healthy(url, proc)
+            for c in tqdm(concurrencies, desc=f"{spec.name:>10}", unit="C", leave=True):
+                n = prompts_for(c)
+                before = scrape(url)
+                r = bench_point(url, spec, dataset, c, n, output_len, out / "raw", blog)
+                figs = spec_figures(before, scrape(url))
+                points.append(Point(
+                    arm=spec.name, concurrency=c, num_prompts=n, completed=r["completed"],
+                    failed=r.get("failed", n - r["completed"]), duration_s=r["duration"],
+                    output_tok_s=r["output_throughput"], mean_tpot_ms=r["mean_tpot_ms"],
+                    p50_tpot_ms=r.get("p50_tpot_ms", r["median_tpot_ms"]),
+                    p99_tpot_ms=r["p99_tpot_ms"], **figs))
+                tqdm.write(f"{spec.name} C={c}: {r['output_throughput']:.1f} tok/s, "
+                           f"TPOT p50 {points[-1].p50_tpot_ms:.0f} ms, "
+                           f"accept len {figs['acceptance_length'] or 1:.2f}")
+        finally:
+            stop(proc)
+    return points
+
+
+# -- report ---------------------------------------------------------------------------------------
+
+def markdown(points: list[Point]) -> str:
+    head = ("| arm | C | prompts | failed | output tok/s | TPOT mean ms | TPOT p50 ms | TPOT p99 ms "
+            "| accept len | mean verify len | verified/proposed | drafter version |\n"
+            "|---|---|---|---|---|---|---|---|---|---|---|---|\n")
+
+    def f(x, fmt=".2f"):
+        return "-" if x is None else format(x, fmt)
+
+    return head + "\n".join(
+        f"| {p.arm} | {p.concurrency} | {p.num_prompts} | {p.failed} | {p.output_tok_s:.1f} | "
+        f"{p.mean_tpot_ms:.1f} | {p.p50_tpot_ms:.1f} | {p.p99_tpot_ms:.1f} | "
+        f"{f(p.acceptance_length)} | {f(p.mean_verify_len)} | {f(p.verify_fraction)} | "
+        f"{f(p.drafter_version, 'd')} |" for p in points) + "\n"
+
+
+def plot(points: list[Point], path: Path) -> Path:
+    from vllm_onlinespec.bench.report import _plt
+
+    plt = _plt()
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(11, 4.2))
+    for arm in dict.fromkeys(p.arm for p in points):
+        ps = [p for p in points if p.arm == arm]
+        cs = [p.concurrency for p in ps]
+        a1.plot(cs, [p.output_tok_s for p in ps], marker="o", label=arm)
+        line, = a2.plot(cs, [p.p50_tpot_ms for p in ps], marker="o", label=f"{arm} p50")
+        a2.plot(cs, [p.p99_tpot_ms for p in ps], marker="x", ls="--", color=line.get_color(),
+                label=f"{arm} p99")
+    for ax, yl in ((a1, "output tokens / s"), (a2, "TPOT, ms")):
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("max concurrency")
+        ax.set_ylabel(yl)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.suptitle("vllm bench serve, Spec-Bench")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+# -- command line ---------------------------------------------------------------------------------
+
+def add_bench_serve_parser(sub: argparse._SubParsersAction) -> None:
+    b = sub.add_parser("bench-serve", help="`vllm serve` + `vllm bench serve` at several "
+                       "concurrencies per arm (issue 5)", description=__doc__,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    a = b.add_argument
+    a("--spec-bench", required=True, metavar="PATH", help="Spec-Bench question.jsonl")
+    a("--arms", default="nospec,fixed,adaflash,budget", help="comma-separated arms")
+    a("--concurrency", default="1,4,16,32", help="comma-separated max concurrencies")
+    a("--num-prompts", type=int, default=None, help="prompts per point (default max(8, 2*C))")
+    a("--output-len", type=int, default=128, help="output tokens per request (default 128)")
+    a("--max-prompt-tokens", type=int, default=512, help="skip longer Spec-Bench prompts")
+    a("--drafter", help="DFlash drafter folder (default: the cached smollm2-default drafter)")
+    a("--target", default="smollm2-135m")
+    a("--dtype", default="float32", choices=["float32", "bfloat16"])
+    a("--online", default="{}", help="JSON merged into the learning arms' onlinespec settings")
+    a("--out", required=True)
+    b.set_defaults(func=run_bench_serve)
+
+
+def run_bench_serve(args: argparse.Namespace) -> int:
+    from vllm_onlinespec.bench.arms import DEFAULT_ONLINE, _merge, make_arm
+    from vllm_onlinespec.models import cache_dir, resolve
+
+    out = Path(args.out)
+    target = resolve(args.target)
+    drafter = args.drafter or str(cache_dir() / "drafters" / "smollm2-default")
+    arms = [x.strip() for x in args.arms.split(",") if x.strip()]
+    if any(a != "nospec" for a in arms) and not (Path(drafter) / "config.json").is_file():
+        raise FileNotFoundError(f"no drafter at {drafter}: train one with `vllm-onlinespec train "
+                                f"--recipe smollm2-default` or pass --drafter")
+    concurrencies = [int(c) for c in args.concurrency.split(",")]
+    online = _merge(DEFAULT_ONLINE, json.loads(args.online))
+    dataset = write_dataset(args.spec_bench, out, target, args.max_prompt_tokens)
+    points: list[Point] = []
+    for name in arms:
+        spec = make_arm(name, target=target, prompts=str(dataset), out_dir=out, drafter=drafter,
+                        online=online, dtype=args.dtype)
+        try:
+            points += run_arm(spec, dataset, concurrencies,
+                              lambda c: args.num_prompts or max(8, 2 * c), args.output_len, out)
+        except Exception as e:  # noqa: BLE001 - the other arms still run
+            tqdm.write(f"{name}: FAILED: {e}")
+        (out / "concurrency.json").write_text(json.dumps(
+            {"arms": arms, "drafter": drafter, "online": online, "points": [asdict(p) for p in points]},
+            indent=1))
+    (out / "concurrency.md").write_text("# vllm bench serve, Spec-Bench\n\n" + markdown(points))
+    print("\n" + markdown(points))
+    if points:
+        print(f"plot: {plot(points, out / 'concurrency.png')}")
+    print(f"table: {out / 'concurrency.md'}")
+    return 0 if {p.arm for p in points} == set(arms) else 1
+
+
+if __name__ == "__main__":
+    p = argparse.ArgumentParser(prog="python -m vllm_onlinespec.bench.concurrency")
+    add_bench_serve_parser(p.add_subparsers(dest="verb", required=True))
+    ns = p.parse_args(["bench-serve", *sys.argv[1:]])
+    sys.exit(ns.func(ns))

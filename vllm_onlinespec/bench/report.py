@@ -1,0 +1,193 @@
+"""Benchmark report: one JSON, one markdown table, PNG plots, under an output folder.
+
+    report.json         every arm's spec, waves, requests and summary row
+    report.md           the summary table (+ the run's settings)
+    acceptance.png      acceptance length per wave for each speculative arm
+    acceptance_requests.png   per-request acceptance length, rolling mean
+    throughput.png      output tok/s per arm
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from vllm_onlinespec.bench.results import ArmResult
+
+
+@dataclass
+class Row:
+    arm: str
+    tok_s: float
+    speedup: float | None  # tok/s relative to the nospec arm, when there is one
+    tpot_ms: float
+    acceptance_length: float  # over the whole stream (1.0 for nospec)
+    early: float  # first half of the stream
+    late: float  # second half
+    drafter_version: int  # published at the end (learning arms)
+    learner_updates: int
+    output_tokens: int
+    startup_s: float
+    serve_s: float
+    error: str | None = None
+
+
+def summarize(results: Sequence[ArmResult]) -> list[Row]:
+    base = next((r.totals()["tok_s"] for r in results if r.spec.method == "none" and r.waves), None)
+    rows = []
+    for r in results:
+        t = r.totals()
+        early, late = r.halves()
+        rows.append(Row(
+            arm=r.name, tok_s=t["tok_s"], speedup=t["tok_s"] / base if base else None,
+            tpot_ms=t["tpot_ms"], acceptance_length=t["acceptance_length"],
+            early=early["acceptance_length"], late=late["acceptance_length"],
+            drafter_version=int(r.learner.get("published_version", 0)),
+            learner_updates=int(r.learner.get("learner/updates", 0)),
+            output_tokens=int(t["output_tokens"]), startup_s=r.startup_s, serve_s=r.serve_s,
+            error=r.error))
+    return rows
+
+
+def _f(x: float | None, fmt: str = ".2f") -> str:
+    if x is None or (isinstance(x, float) and math.isnan(x)):
+        return "-"
+    return format(x, fmt)
+
+
+def markdown_table(rows: Sequence[Row]) -> str:
+    head = ("| arm | tok/s | vs nospec | TPOT ms | accept len | early | late | late - early "
+            "| drafter version | output tokens |\n|---|---|---|---|---|---|---|---|---|---|\n")
+    lines = []
+    for r in rows:
+        spec = r.arm != "nospec"
+        lines.append(
+            f"| {r.arm}{' (FAILED)' if r.error else ''} | {_f(r.tok_s, '.1f')} | "
+            f"{_f(r.speedup) + 'x' if r.speedup else '-'} | {_f(r.tpot_ms, '.1f')} | "
+            f"{_f(r.acceptance_length) if spec else '1'} | {_f(r.early) if spec else '-'} | "
+            f"{_f(r.late) if spec else '-'} | {_f(r.late - r.early, '+.2f') if spec else '-'} | "
+            f"{r.drafter_version or '-'} | {r.output_tokens} |")
+    return head + "\n".join(lines) + "\n"
+
+
+def text_table(rows: Sequence[Row]) -> str:
+    """The same figures for a terminal."""
+    out = [f"{'arm':<20} {'tok/s':>7} {'vs nospec':>9} {'accept len':>10} {'early':>6} "
+           f"{'late':>6} {'version':>7}"]
+    for r in rows:
+        spec = r.arm != "nospec"
+        out.append(f"{r.arm:<20} {_f(r.tok_s, '.1f'):>7} "
+                   f"{(_f(r.speedup) + 'x') if r.speedup else '-':>9} "
+                   f"{_f(r.acceptance_length) if spec else '1':>10} "
+                   f"{_f(r.early) if spec else '-':>6} {_f(r.late) if spec else '-':>6} "
+                   f"{r.drafter_version or '-':>7}" + ("  FAILED: " + r.error if r.error else ""))
+    return "\n".join(out)
+
+
+# -- plots ------------------------------------------------------------------------------------------
+
+def _plt():
+    import matplotlib
+
+    matplotlib.use("Agg")  # no display on servers; must precede pyplot
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def plot_acceptance_waves(results: Sequence[ArmResult], path: Path, title: str) -> Path:
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    for r in results:
+        if r.spec.method == "none" or not r.waves:
+            continue
+        x, served = [], 0
+        for w in r.waves:
+            served += w.prompts
+            x.append(served)
+        ax.plot(x, [w.acceptance_length for w in r.waves], marker="o", ms=3, label=r.name)
+    ax.set_xlabel("requests served")
+    ax.set_ylabel("mean acceptance length per wave\n(tokens per verify step)")
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def rolling(xs: Sequence[float], n: int) -> list[float]:
+    out, acc = [], []
+    for x in xs:
+        acc.append(x)
+        if len(acc) > n:
+            acc.pop(0)
+        out.append(sum(acc) / len(acc))
+    return out
+
+
+def plot_acceptance_requests(results: Sequence[ArmResult], path: Path, title: str,
+                             window: int = 8) -> Path:
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    for r in results:
+        pts = [(q.index, q.acceptance_length) for q in r.requests if q.acceptance_length]
+        if not pts:
+            continue
+        xs, ys = zip(*sorted(pts))
+        line, = ax.plot(xs, rolling(ys, window), label=f"{r.name} (rolling mean of {window})")
+        ax.scatter(xs, ys, s=6, alpha=0.25, color=line.get_color())
+    ax.set_xlabel("request, in serving order (each prompt new)")
+    ax.set_ylabel("acceptance length (tokens per verify step)")
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def plot_throughput(rows: Sequence[Row], path: Path, title: str) -> Path:
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(max(5, 1.2 * len(rows)), 4))
+    bars = ax.bar([r.arm for r in rows], [r.tok_s for r in rows], color="tab:blue")
+    for b, r in zip(bars, rows):
+        ax.annotate(f"{r.tok_s:.1f}", (b.get_x() + b.get_width() / 2, b.get_height()),
+                    ha="center", va="bottom", fontsize=8)
+    ax.set_ylabel("output tokens / s (serving time)")
+    ax.set_title(title)
+    plt.setp(ax.get_xticklabels(), rotation=20, ha="right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def write_report(results: Sequence[ArmResult], out_dir: str | Path, *, title: str,
+                 meta: dict | None = None, notes: Sequence[str] = ()) -> dict[str, Path]:
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    rows = summarize(results)
+    paths = {"json": out / "report.json", "markdown": out / "report.md"}
+    paths["json"].write_text(json.dumps(
+        {"title": title, "meta": meta or {}, "notes": list(notes),
+         "summary": [asdict(r) for r in rows], "arms": [r.to_json() for r in results]},
+        indent=1, default=str))
+    md = [f"# {title}", "", markdown_table(rows)]
+    md += [f"- {n}" for n in notes]
+    if meta:
+        md += ["", "Settings:", "", "```json", json.dumps(meta, indent=1, default=str), "```"]
+    paths["markdown"].write_text("\n".join(md) + "\n")
+    try:
+        paths["acceptance"] = plot_acceptance_waves(results, out / "acceptance.png", title)
+        paths["acceptance_requests"] = plot_acceptance_requests(
+            results, out / "acceptance_requests.png", title)
+        paths["throughput"] = plot_throughput(rows, out / "throughput.png", title)
+    except ImportError as e:  # matplotlib is a dev extra: the tables still stand
+        print(f"report: no plots ({e})")
+    return paths

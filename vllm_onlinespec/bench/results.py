@@ -1,0 +1,165 @@
+"""What an arm is asked to do and what it measured: plain dataclasses, JSON on disk.
+
+An arm's spec and result cross a process boundary (the arm runs in its own subprocess so that
+every engine starts from a clean process), so both are JSON-serialisable.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+
+@dataclass
+class ArmSpec:
+    name: str
+    target: str  # HF folder
+    prompts: str  # jsonl of Prompt.to_json() rows, served in file order
+    out: str  # result JSON path
+    method: str = "none"  # "none" | "ngram" | "dflash"
+    drafter: str | None = None
+    num_speculative_tokens: int = 0
+    onlinespec: dict | None = None  # additional_config["onlinespec"]; None = plain vLLM worker
+    dtype: str = "float32"
+    wave: int = 4  # prompts per wave: one llm.chat call, batched
+    max_tokens: int = 128
+    max_model_len: int = 2048
+    # Seconds the stream may pause after each wave while the learner still has fresh feedback:
+    # real traffic has gaps, a closed-loop benchmark on 2 cores has none. 0 = back to back.
+    catch_up_s: float = 0.0
+    env: dict[str, str] = field(default_factory=dict)  # extra environment for the engine
+
+    @property
+    def speculative_config(self) -> dict | None:
+        if self.method == "none":
+            return None
+        cfg: dict[str, Any] = {"method": self.method,
+                               "num_speculative_tokens": self.num_speculative_tokens}
+        if self.method == "ngram":
+            cfg.update(prompt_lookup_min=2, prompt_lookup_max=4)
+        else:
+            cfg["model"] = self.drafter
+        return cfg
+
+    @property
+    def learning(self) -> bool:
+        return self.onlinespec is not None and self.onlinespec.get("enabled", True)
+
+
+@dataclass
+class WaveResult:
+    index: int
+    prompts: int
+    output_tokens: int
+    wall_s: float  # serving time only (catch-up pauses are counted in catch_up_s)
+    drafts: int  # verify steps that carried a draft (vLLM counter delta)
+    draft_tokens: int
+    accepted: int
+    tpot_ms: float  # mean over the wave's requests of (last - first token time) / (tokens - 1)
+    version_start: int = 0  # published drafter version when the wave started / ended
+    version_end: int = 0
+    learner_updates: int = 0  # cumulative
+    catch_up_s: float = 0.0
+
+    @property
+    def acceptance_length(self) -> float:
+        """Tokens committed per verify step that carried a draft (1 = nothing accepted)."""
+        return (self.accepted + self.drafts) / self.drafts if self.drafts else 1.0
+
+    @property
+    def tok_s(self) -> float:
+        return self.output_tokens / self.wall_s if self.wall_s > 0 else 0.0
+
+
+@dataclass
+class RequestResult:
+    index: int  # position in the stream
+    prompt_id: str
+    category: str
+    wave: int
+    output_tokens: int
+    tpot_ms: float
+    acceptance_length: float | None = None  # vLLM's per-request spec metrics; None = no spec
+    drafter_version: int = 0  # version published when the request's wave started
+
+
+@dataclass
+class ArmResult:
+    spec: ArmSpec
+    waves: list[WaveResult] = field(default_factory=list)
+    requests: list[RequestResult] = field(default_factory=list)
+    startup_s: float = 0.0
+    serve_s: float = 0.0
+    learner: dict = field(default_factory=dict)  # final onlinespec_stats (learning arms)
+    error: str | None = None
+
+    @property
+    def name(self) -> str:
+        return self.spec.name
+
+    # -- aggregates -------------------------------------------------------------------------
+    def totals(self, waves: list[WaveResult] | None = None) -> dict[str, float]:
+        ws = self.waves if waves is None else waves
+        out_tok = sum(w.output_tokens for w in ws)
+        wall = sum(w.wall_s for w in ws)
+        drafts = sum(w.drafts for w in ws)
+        acc = sum(w.accepted for w in ws)
+        dtok = sum(w.draft_tokens for w in ws)
+        return {"output_tokens": out_tok, "wall_s": wall, "tok_s": out_tok / wall if wall else 0.0,
+                "acceptance_length": (acc + drafts) / drafts if drafts else 1.0,
+                "draft_acceptance": acc / dtok if dtok else 0.0, "drafts": drafts,
+                "tpot_ms": _mean([w.tpot_ms for w in ws if w.tpot_ms == w.tpot_ms])}
+
+    def halves(self) -> tuple[dict, dict]:
+        """Totals over the first and the second half of the stream (by wave)."""
+        h = (len(self.waves) + 1) // 2
+        return self.totals(self.waves[:h]), self.totals(self.waves[h:])
+
+    # -- JSON ---------------------------------------------------------------------------------
+    def to_json(self) -> dict:
+        d = asdict(self)
+        for w, wd in zip(self.waves, d["waves"]):
+            wd.update(acceptance_length=w.acceptance_length, tok_s=w.tok_s)
+        d["totals"] = self.totals()
+        d["early"], d["late"] = self.halves()
+        return d
+
+    @classmethod
+    def from_json(cls, d: dict) -> "ArmResult":
+        return cls(spec=_build(ArmSpec, d["spec"]),
+                   waves=[_build(WaveResult, w) for w in d.get("waves", [])],
+                   requests=[_build(RequestResult, r) for r in d.get("requests", [])],
+                   startup_s=d.get("startup_s", 0.0), serve_s=d.get("serve_s", 0.0),
+                   learner=d.get("learner", {}), error=d.get("error"))
+
+    def save(self, path: str | os.PathLike | None = None) -> Path:
+        p = Path(path or self.spec.out)
+        p.parent.mkdir(parents=True, exist_ok=True)
+        tmp = p.with_suffix(".tmp")
+        tmp.write_text(json.dumps(self.to_json(), indent=1, default=_jsonable))
+        os.replace(tmp, p)
+        return p
+
+    @classmethod
+    def load(cls, path: str | os.PathLike) -> "ArmResult":
+        return cls.from_json(json.loads(Path(path).read_text()))
+
+
+def _build(cls, d: dict):
+    """Dataclass from a dict, ignoring derived keys (tok_s, acceptance_length) written by to_json."""
+    names = {f.name for f in fields(cls)}
+    return cls(**{k: v for k, v in d.items() if k in names})
+
+
+def _mean(xs: list[float]) -> float:
+    return sum(xs) / len(xs) if xs else float("nan")
+
+
+def _jsonable(x: Any) -> Any:
+    try:
+        return float(x)
+    except (TypeError, ValueError):
+        return str(x)
