@@ -175,7 +175,9 @@ def test_thread_survives_intermittent_failures(caplog):
         assert lr.stop(timeout=5)
     assert lr.errors >= 9 and lr.skipped_nonfinite >= 9
     # logged once per log_every occurrences, not once per failure
-    assert sum("flaky" in r.getMessage() for r in caplog.records) == 1
+    # once per log_every occurrences, not once per failure (a record that reaches the capture
+    # twice through vLLM's forwarding handler is still one log call: dedupe by record identity)
+    assert len({id(r) for r in caplog.records if "flaky" in r.getMessage()}) == 1
 
 
 def test_hedge_learner_nan_member_discards_whole_update():

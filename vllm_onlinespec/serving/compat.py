@@ -40,7 +40,10 @@ class _ToVllmLogger(logging.Handler):
     (logger.py:289), after this plugin has run."""
 
     def emit(self, record: logging.LogRecord) -> None:
-        logging.getLogger("vllm").handle(record)
+        # vLLM's handlers directly, not the `vllm` logger: no second trip up to the root.
+        for h in logging.getLogger("vllm").handlers:
+            if record.levelno >= h.level:
+                h.handle(record)
 
 
 def _share_vllm_logging() -> None:
@@ -49,7 +52,8 @@ def _share_vllm_logging() -> None:
     if not any(isinstance(h, _ToVllmLogger) for h in ours.handlers):
         ours.addHandler(_ToVllmLogger())
         ours.setLevel(logging.INFO)
-        ours.propagate = False
+        # Still propagate: the root logger normally has no handlers (so nothing is printed
+        # twice), and an application's or pytest's handlers there keep seeing our records.
 
 
 def _fix_dflash_grouped_k_norm() -> None:
