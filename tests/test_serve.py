@@ -15,23 +15,10 @@ from pathlib import Path
 import pytest
 
 from conftest import free_port
+from vllm_onlinespec.bench.concurrency import wait_healthy
 from test_worker_parity import make_drafter
 
 pytestmark = pytest.mark.vllm
-
-
-def wait_healthy(url: str, proc: subprocess.Popen, timeout: float = 300) -> None:
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"vllm serve exited early with code {proc.returncode}")
-        try:
-            with urllib.request.urlopen(url + "/health", timeout=2) as r:
-                if r.status == 200:
-                    return
-        except OSError:
-            time.sleep(1)
-    raise TimeoutError("vllm serve did not become healthy")
 
 
 def metric(url: str, name: str) -> float | None:
