@@ -19,7 +19,7 @@ from vllm_onlinespec.drafter import DFlashConfig, DFlashDrafter, LengthHead, loa
 from vllm_onlinespec.training import data
 from vllm_onlinespec.training.blocks import (block_loss, greedy_accepted, response_mask,
                                              sample_anchors)
-from vllm_onlinespec.training.generate import Sample, SamplingSpec, generate
+from vllm_onlinespec.training.generate import SamplingSpec, generate
 from vllm_onlinespec.training.trainer import TrainConfig, train
 
 VOCAB = 128
@@ -237,8 +237,8 @@ def test_prompt_sources_and_stable_split(tmp_path):
     assert len(he) == 164 and "def " in he[0].text
 
 
-def test_spec_bench_categories(spec_bench_questions, tmp_path):
-    from tests.conftest import SPEC_BENCH
+def test_spec_bench_categories(spec_bench_questions):
+    from conftest import SPEC_BENCH
 
     ps = data.load_spec_bench(SPEC_BENCH, ["qa", "coding"])
     assert {p.category for p in ps} == {"qa", "coding"} and len(ps) == 90

@@ -94,7 +94,7 @@ class LossConfig(_Section):
         "no clip); bounds the pull of a single surprising token")
     mode: Literal["reverse_kl", "forward_kl", "ce"] = Field(
         "reverse_kl", description="distillation divergence: 'reverse_kl' KL(draft||target), "
-        "'forward_kl' KL(target||draft), 'ce' cross-entropy on committed tokens only")
+        "'forward_kl' KL(target||draft), 'ce' cross-entropy to the target's argmax only")
 
 
 class LengthHeadConfig(_Section):

@@ -19,21 +19,20 @@ from pathlib import Path
 
 from vllm_onlinespec.bench import prompts as P
 
-# The smollm2-default recipe's settings, spelled out: the recipe also turns on HumanEval, which
-# a domain-shift run must be able to leave out.
-TRAIN_BASE: dict = {
-    "target": "smollm2-135m", "max-prompt-tokens": 512, "max-prompts": 200, "max-heldout": 40,
-    "max-new-tokens": 192, "gen-dtype": "float32", "layers": 1, "block-size": 8,
-    "num-target-features": 3, "epochs": 2, "batch-size": 4, "anchors-per-seq": 16, "lr": 1e-3,
-    "warmup-steps": 10, "eval-anchors": 16,
-}
+def recipe_flags(recipe: str = "smollm2-default") -> dict:
+    """A `vllm-onlinespec train` recipe as {flag: value}, without its prompt sources (the
+    default recipe turns on HumanEval, which a domain-shift run must be able to leave out)."""
+    from vllm_onlinespec.training.cli import RECIPES
+
+    return {k.replace("_", "-"): v for k, v in RECIPES[recipe].items()
+            if not isinstance(v, bool) and k not in ("prompts", "spec_bench", "categories")}
 
 
 def train_flags(categories: list[str], spec_bench: str | None, base: dict | None = None,
                 extra: str = "") -> list[str]:
     """`vllm-onlinespec train` flags for a drafter trained on `categories` only."""
     flags: list[str] = []
-    for k, v in (base or TRAIN_BASE).items():
+    for k, v in (base or recipe_flags()).items():
         flags += [f"--{k}", str(v)]
     sb = [c for c in categories if c not in ("humaneval", "chat")]
     if "chat" in categories:
