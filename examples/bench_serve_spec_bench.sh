@@ -14,25 +14,9 @@ cd "$(dirname "$0")"
 PORT=${PORT:-8001}
 OUTPUT_LEN=${OUTPUT_LEN:-128}
 POLICY=${POLICY:-adaflash}
-TARGET=$(vllm-onlinespec model path smollm2-135m)
-vllm-onlinespec model pull smollm2-135m >/dev/null
-DRAFTER=${DRAFTER:-$(python _drafter.py)}
-K=$(DRAFTER_PATH="$DRAFTER" python -c "import os,_drafter; print(_drafter.num_speculative_tokens(os.environ['DRAFTER_PATH']))")
-ENGINE_ARGS=$(python -c "from vllm_onlinespec.engine import serve_args; print(' '.join(serve_args()))")
 LOG=${LOG:-/tmp/vllm-onlinespec-bench-$PORT.log}
-
-vllm serve "$TARGET" --host 127.0.0.1 --port "$PORT" --dtype float32 --served-model-name smollm2 \
-  --speculative-config "{\"method\": \"dflash\", \"model\": \"$DRAFTER\", \"num_speculative_tokens\": $K}" \
-  --additional-config "{\"onlinespec\": {\"lr\": 3e-4, \"length_head\": {\"policy\": \"$POLICY\"}}}" \
-  $ENGINE_ARGS >"$LOG" 2>&1 &
-SERVER=$!
-trap 'kill -INT $SERVER 2>/dev/null; wait $SERVER 2>/dev/null || true' EXIT
-echo "vllm serve (pid $SERVER) starting, log: $LOG"
-for _ in $(seq 300); do
-  curl -sf "http://127.0.0.1:$PORT/health" >/dev/null && break
-  kill -0 $SERVER 2>/dev/null || { tail -30 "$LOG"; exit 1; }
-  sleep 1
-done
+source _server.sh
+start_server "{\"onlinespec\": {\"lr\": 3e-4, \"length_head\": {\"policy\": \"$POLICY\"}}}"
 vllm bench serve --base-url "http://127.0.0.1:$PORT" --model smollm2 --tokenizer "$TARGET" \
   --dataset-name spec_bench --dataset-path "$SPEC_BENCH" --spec-bench-output-len "$OUTPUT_LEN" \
   --num-prompts "$NUM_PROMPTS" --max-concurrency "$CONCURRENCY" --temperature 0 --seed 0 \

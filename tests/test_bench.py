@@ -5,7 +5,7 @@ import json
 import pytest
 
 from vllm_onlinespec.bench import prompts as P
-from vllm_onlinespec.bench.arms import DEFAULT_ONLINE, known_arm, make_arm
+from vllm_onlinespec.bench.arms import DEFAULT_ONLINE, clear_own_checkpoints, known_arm, make_arm
 from vllm_onlinespec.bench.cli import train_flags
 from vllm_onlinespec.bench.report import summarize, write_report
 from vllm_onlinespec.bench.results import ArmResult, RequestResult, WaveResult
@@ -28,7 +28,7 @@ def drafter_dir(tmp_path):
 
 def test_arm_names_map_to_valid_configs(tmp_path, drafter_dir):
     for name in ["nospec", "ngram", "frozen", "online-ogd", "online-optimistic", "online-ensemble",
-                 "fixed", "adaflash", "budget", "frozen-budget"]:
+                 "fixed", "adaflash", "budget", "frozen-budget", "shadow"]:
         assert known_arm(name)
         spec = make_arm(name, target="t", prompts="p.jsonl", out_dir=tmp_path, drafter=drafter_dir)
         if spec.onlinespec is not None:
@@ -41,6 +41,26 @@ def test_arm_names_map_to_valid_configs(tmp_path, drafter_dir):
     assert ens.onlinespec["algorithm"] == "ensemble" and ens.onlinespec["lr"] == DEFAULT_ONLINE["lr"]
     bud = make_arm("budget", target="t", prompts="p", out_dir=tmp_path, drafter=drafter_dir)
     assert bud.onlinespec["length_head"] == {"policy": "budget"} and bud.learning
+
+
+def test_shadow_arm_and_own_checkpoints(tmp_path, drafter_dir):
+    shadow = make_arm("shadow", target="t", prompts="p", out_dir=tmp_path, drafter=drafter_dir)
+    cfg = OnlineSpecConfig.from_any(shadow.onlinespec)
+    assert shadow.learning and cfg.algorithm == "ogd" and cfg.publish.every_n_updates >= 10**9
+    ogd = make_arm("online-ogd", target="t", prompts="p", out_dir=tmp_path, drafter=drafter_dir)
+    ckpt = tmp_path / "checkpoints" / "online-ogd"
+    assert ogd.onlinespec["checkpoint"]["dir"] == str(ckpt)
+    assert "checkpoint" not in make_arm("frozen", target="t", prompts="p", out_dir=tmp_path,
+                                        drafter=drafter_dir).onlinespec
+    (ckpt / "v00000001").mkdir(parents=True)
+    clear_own_checkpoints(ogd)
+    assert not ckpt.exists()  # a rerun into the same folder never resumes
+    mine = tmp_path / "mine"
+    (mine / "v00000001").mkdir(parents=True)
+    user = make_arm("online-ogd", target="t", prompts="p", out_dir=tmp_path, drafter=drafter_dir,
+                    online={"checkpoint": {"dir": str(mine)}})
+    clear_own_checkpoints(user)
+    assert (mine / "v00000001").is_dir()  # a folder the user chose is never deleted
 
 
 def test_interleave_keeps_category_mix_in_every_stretch():

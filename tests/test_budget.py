@@ -206,3 +206,44 @@ def _timed(fn) -> float:
     t = time.perf_counter()
     fn()
     return time.perf_counter() - t
+
+
+def test_startup_probe_times_target_steps_and_feeds_the_cost_model():
+    """The probe times the runner's dummy steps (sizes clipped to its capacity) with the
+    drafter's own dummy pass off, then restores it; the fitted slope follows the timings."""
+    from types import SimpleNamespace
+
+    from vllm_onlinespec.serving import compat
+    from vllm_onlinespec.serving.session import OnlineSession
+
+    calls: list[tuple[str, int]] = []
+
+    class Drafter:
+        def dummy_run(self, n, **kw):
+            calls.append(("drafter", n))
+
+    class Runner:
+        max_num_tokens = 100
+        drafter = Drafter()
+
+        def _dummy_run(self, n):
+            calls.append(("target", n))
+            self.drafter.dummy_run(n)  # what vLLM's _dummy_run does with a drafter
+            time.sleep(0.002 + 2e-5 * n)
+
+    runner = Runner()
+    samples = compat.time_target_steps(runner, [1, 64, 512], reps=2)
+    assert sorted({n for n, _ in samples}) == [1, 64, 100]
+    assert not any(who == "drafter" for who, _ in calls)
+    runner.drafter.dummy_run(3)
+    assert calls[-1] == ("drafter", 3)  # the method is back
+    assert all(t > 0.0019 for _, t in samples)
+
+    cm = StepCostModel(a=0.5, b=0.1)  # a prior far off the timings
+    session = SimpleNamespace(policy=SimpleNamespace(cost_model=cm))
+    OnlineSession.probe_step_cost(session, runner)
+    assert cm.n_samples > 0 and cm.a < 0.1 and cm.b < 0.01
+    broken = SimpleNamespace(drafter=None, _dummy_run=lambda n: 1 / 0)
+    cm2 = StepCostModel(a=0.5, b=0.1)
+    OnlineSession.probe_step_cost(SimpleNamespace(policy=SimpleNamespace(cost_model=cm2)), broken)
+    assert cm2.n_samples == 0  # a failed probe leaves the prior, and serving starts anyway

@@ -295,6 +295,28 @@ def test_train_hidden_single_anchor_equals_draft_hidden(setup):
         torch.testing.assert_close(tr, dr, rtol=1e-5, atol=1e-5)
 
 
+def test_context_kv_override_is_what_the_block_attends(setup):
+    """ctx_kv stands in for the drafter's own context K/V (vLLM's cached draft KV): its own K/V
+    change nothing; another drafter's K/V (stale weights) change the drafts, but only through
+    the context rows the blocks can see."""
+    cfg, d, embed, feats, ids = setup
+    anchors = torch.tensor([[3, 8], [5, 10]])
+    pos = torch.arange(12).expand(2, 12)
+    own = d.train_hidden(feats, ids, anchors, embed)
+    torch.testing.assert_close(d.train_hidden(feats, ids, anchors, embed, d.context_kv(feats, pos)), own)
+    other = random_drafter(cfg, seed=7)
+    old = other.context_kv(feats, pos)
+    stale = d.train_hidden(feats, ids, anchors, embed, old)
+    assert not torch.allclose(stale, own, atol=1e-3)
+    # Rows at or after position 10 are seen by no block but the one anchored at 10 (row 10 is
+    # its first token, not context): splicing stale K/V there changes nothing.
+    new = d.context_kv(feats, pos)
+    late = pos.ge(10).view(2, 12, 1, 1)
+    mixed = [(torch.where(late, ko, kn), torch.where(late, vo, vn))
+             for (ko, vo), (kn, vn) in zip(old, new)]
+    torch.testing.assert_close(d.train_hidden(feats, ids, anchors, embed, mixed), own)
+
+
 def test_train_mask_entries():
     t, anchors = 10, torch.tensor([[2, 7, -1]])
     m = build_train_mask(anchors, t, BS)

@@ -1,6 +1,8 @@
-"""The CPU examples run as written. The offline one is run here (one engine start); the
-`vllm serve` + OpenAI client path is the one tests/test_serve.py covers."""
+"""The CPU examples run as written, each with one engine start: the offline LLM.chat one, the
+`vllm serve` + OpenAI client script, and the `vllm bench serve --dataset-name spec_bench` one.
+Short answers keep each under ~90 s on the 2-core box."""
 
+import os
 import re
 import subprocess
 import sys
@@ -11,6 +13,16 @@ import pytest
 pytestmark = pytest.mark.vllm
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+
+
+def run_script(argv: list[str], **env: str) -> subprocess.CompletedProcess:
+    """A shell example as a user runs it: the venv's bin first on PATH (vllm, vllm-onlinespec)."""
+    from conftest import free_port
+
+    bin_dir = str(Path(sys.executable).parent)
+    full = {**os.environ, "PATH": bin_dir + os.pathsep + os.environ.get("PATH", ""),
+            "PORT": str(free_port()), "LOG": os.devnull, **env}
+    return subprocess.run(["bash", *argv], capture_output=True, text=True, timeout=420, env=full)
 
 
 def test_offline_chat_online_example_learns_and_answers(smollm2_path):
@@ -29,3 +41,22 @@ def test_offline_chat_online_example_learns_and_answers(smollm2_path):
     assert int(final.group(1)) >= 1 and int(final.group(2)) >= 1, final.group(0)
     assert final.group(3) == "0"
     assert r.stdout.count(">>> ") == 9  # every prompt answered
+
+
+def test_serve_openai_example_answers_and_reports_the_drafter(smollm2_path):
+    r = run_script([str(EXAMPLES / "serve_openai.sh")], MAX_TOKENS="16")
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
+    assert r.stdout.count(">>> ") == 4, r.stdout  # every question answered
+    m = re.search(r"^drafter version: ([0-9.]+), learner updates: ([0-9.]+)", r.stdout, re.M)
+    assert m, r.stdout  # the onlinespec metrics are on the server's /metrics
+    assert re.search(r"^acceptance length so far: [0-9.]+", r.stdout, re.M), r.stdout
+
+
+def test_bench_serve_spec_bench_example(smollm2_path, spec_bench_questions):
+    from conftest import SPEC_BENCH
+
+    r = run_script([str(EXAMPLES / "bench_serve_spec_bench.sh"), str(SPEC_BENCH), "4", "2"],
+                   OUTPUT_LEN="16")
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
+    assert re.search(r"Successful requests:\s+4\b", r.stdout), r.stdout[-3000:]
+    assert re.search(r"^onlinespec:drafter_version\S* [0-9.]+", r.stdout, re.M), r.stdout[-3000:]

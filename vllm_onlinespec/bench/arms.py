@@ -4,23 +4,28 @@
     ngram                        vLLM's prompt-lookup speculation, same K as the drafter
     frozen                       our DFlash drafter, onlinespec enabled=false (start weights only)
     online-<algorithm>           learning on: ogd | optimistic | optimistic_momentum | ensemble
+    shadow                       the ogd learner runs but never publishes: serving keeps the start
+                                 weights, so shadow vs frozen is the learner's cost to serving
     fixed | adaflash | budget    learning on (ogd) with that verify-length policy
     frozen-adaflash, ...         a policy without learning
 
 Every learning arm starts from the same drafter weights and uses the same online settings
-(`online` below), so arms differ only in what their name says.
+(`online` below), so arms differ only in what their name says. Learning arms checkpoint into
+`<out>/checkpoints/<arm>` at shutdown (the runner empties it first: an arm never resumes).
 """
 
 from __future__ import annotations
 
 import copy
 import json
+import shutil
 from pathlib import Path
 
 from vllm_onlinespec.bench.results import ArmSpec
 
 ALGORITHMS = ("ogd", "optimistic", "optimistic_momentum", "ensemble")
 POLICIES = ("fixed", "adaflash", "budget")
+NEVER = 10**12  # publish.every_n_updates that no run reaches
 
 # Online settings that learned on a stream of new prompts on the 2-core CPU box (40 Spec-Bench
 # math_reasoning prompts, code-trained start: acceptance length 1.09 frozen -> 1.18 online over
@@ -59,13 +64,15 @@ def _parse(name: str) -> tuple[str, dict | None]:
         return "ngram", None
     if name == "frozen":
         return "dflash", {"enabled": False}
+    if name == "shadow":
+        return "dflash", {"algorithm": "ogd", "publish": {"every_n_updates": NEVER}}
     if name.startswith("online-") and name[7:] in ALGORITHMS:
         return "dflash", {"algorithm": name[7:]}
     if name in POLICIES:
         return "dflash", {"length_head": {"policy": name}}
     if name.startswith("frozen-") and name[7:] in POLICIES:
         return "dflash", {"enabled": False, "length_head": {"policy": name[7:]}}
-    raise ValueError(f"unknown arm {name!r}; known: nospec, ngram, frozen, "
+    raise ValueError(f"unknown arm {name!r}; known: nospec, ngram, frozen, shadow, "
                      + ", ".join(f"online-{a}" for a in ALGORITHMS) + ", "
                      + ", ".join(POLICIES) + ", frozen-<policy>")
 
@@ -75,6 +82,18 @@ def _merge(base: dict, over: dict) -> dict:
     for k, v in over.items():
         out[k] = _merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
     return out
+
+
+def checkpoint_dir(out_dir: str | Path, arm: str) -> Path:
+    return Path(out_dir) / "checkpoints" / arm
+
+
+def clear_own_checkpoints(spec: ArmSpec) -> None:
+    """Empty the checkpoint folder make_arm chose for this arm (never one a user passed): a
+    rerun into the same output folder must start from the drafter, not resume."""
+    ckpt = (spec.onlinespec or {}).get("checkpoint", {}).get("dir")
+    if ckpt and Path(ckpt) == checkpoint_dir(Path(spec.out).parent.parent, spec.name):
+        shutil.rmtree(ckpt, ignore_errors=True)
 
 
 def make_arm(name: str, *, target: str, prompts: str, out_dir: str | Path,
@@ -91,6 +110,8 @@ def make_arm(name: str, *, target: str, prompts: str, out_dir: str | Path,
         base = online if online is not None else DEFAULT_ONLINE
         onlinespec = _merge(base, over) if over.get("enabled", True) else _merge(
             {k2: v for k2, v in base.items() if k2 == "length_head"}, over)
+        if onlinespec.get("enabled", True) and "dir" not in onlinespec.get("checkpoint", {}):
+            onlinespec.setdefault("checkpoint", {})["dir"] = str(checkpoint_dir(out_dir, name))
     return ArmSpec(name=name, target=target, prompts=str(prompts),
                    out=str(Path(out_dir) / "arms" / f"{name}.json"), method=method,
                    drafter=drafter if method == "dflash" else None,

@@ -27,6 +27,7 @@ from pathlib import Path
 
 from tqdm.auto import tqdm
 
+from vllm_onlinespec.bench.arms import clear_own_checkpoints
 from vllm_onlinespec.bench.results import ArmSpec
 
 SERVED_NAME = "onlinespec-bench"
@@ -170,6 +171,7 @@ def run_arm(spec: ArmSpec, dataset: Path, concurrencies: list[int], prompts_for,
     logs = out / "logs"
     logs.mkdir(parents=True, exist_ok=True)
     points: list[Point] = []
+    clear_own_checkpoints(spec)
     with open(logs / f"{spec.name}.serve.log", "w") as slog, \
             open(logs / f"{spec.name}.bench.log", "w") as blog:
         proc = subprocess.Popen(serve_cmd(spec, port), stdout=slog, stderr=subprocess.STDOUT,
@@ -247,7 +249,10 @@ def add_bench_serve_parser(sub: argparse._SubParsersAction) -> None:
     a("--spec-bench", required=True, metavar="PATH", help="Spec-Bench question.jsonl")
     a("--arms", default="nospec,fixed,adaflash,budget", help="comma-separated arms")
     a("--concurrency", default="1,4,16,32", help="comma-separated max concurrencies")
-    a("--num-prompts", type=int, default=None, help="prompts per point (default max(8, 2*C))")
+    a("--num-prompts", type=int, default=None, help="prompts per point (default: max(8, "
+      "round(prompts-per-c * C)))")
+    a("--prompts-per-c", type=float, default=2.0, help="prompts per point per unit of "
+      "concurrency, when --num-prompts is not given (default 2: the server stays full)")
     a("--output-len", type=int, default=128, help="output tokens per request (default 128)")
     a("--max-prompt-tokens", type=int, default=512, help="skip longer Spec-Bench prompts")
     a("--drafter", help="DFlash drafter folder (default: the cached smollm2-default drafter)")
@@ -278,7 +283,7 @@ def run_bench_serve(args: argparse.Namespace) -> int:
                         online=online, dtype=args.dtype)
         try:
             points += run_arm(spec, dataset, concurrencies,
-                              lambda c: args.num_prompts or max(8, 2 * c), args.output_len, out)
+                              lambda c: args.num_prompts or max(8, round(args.prompts_per_c * c)), args.output_len, out)
         except Exception as e:  # noqa: BLE001 - the other arms still run
             tqdm.write(f"{name}: FAILED: {e}")
         (out / "concurrency.json").write_text(json.dumps(

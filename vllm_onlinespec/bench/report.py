@@ -32,6 +32,7 @@ class Row:
     output_tokens: int
     startup_s: float
     serve_s: float
+    catch_up_s: float  # pauses for the learner between waves, not in tok/s
     error: str | None = None
 
 
@@ -48,7 +49,7 @@ def summarize(results: Sequence[ArmResult]) -> list[Row]:
             drafter_version=int(r.learner.get("published_version", 0)),
             learner_updates=int(r.learner.get("learner/updates", 0)),
             output_tokens=int(t["output_tokens"]), startup_s=r.startup_s, serve_s=r.serve_s,
-            error=r.error))
+            catch_up_s=sum(w.catch_up_s for w in r.waves), error=r.error))
     return rows
 
 
@@ -60,7 +61,8 @@ def _f(x: float | None, fmt: str = ".2f") -> str:
 
 def markdown_table(rows: Sequence[Row]) -> str:
     head = ("| arm | tok/s | vs nospec | TPOT ms | accept len | early | late | late - early "
-            "| drafter version | output tokens |\n|---|---|---|---|---|---|---|---|---|---|\n")
+            "| drafter version | output tokens | learner catch-up s |\n"
+            "|---|---|---|---|---|---|---|---|---|---|---|\n")
     lines = []
     for r in rows:
         spec = r.arm != "nospec"
@@ -69,7 +71,7 @@ def markdown_table(rows: Sequence[Row]) -> str:
             f"{_f(r.speedup) + 'x' if r.speedup else '-'} | {_f(r.tpot_ms, '.1f')} | "
             f"{_f(r.acceptance_length) if spec else '1'} | {_f(r.early) if spec else '-'} | "
             f"{_f(r.late) if spec else '-'} | {_f(r.late - r.early, '+.2f') if spec else '-'} | "
-            f"{r.drafter_version or '-'} | {r.output_tokens} |")
+            f"{r.drafter_version or '-'} | {r.output_tokens} | {r.catch_up_s:.0f} |")
     return head + "\n".join(lines) + "\n"
 
 
@@ -109,14 +111,19 @@ def plot_acceptance_waves(results: Sequence[ArmResult], path: Path, title: str) 
             served += w.prompts
             x.append(served)
         ax.plot(x, [w.acceptance_length for w in r.waves], marker="o", ms=3, label=r.name)
-    ax.set_xlabel("requests served")
-    ax.set_ylabel("mean acceptance length per wave\n(tokens per verify step)")
+    return _finish(fig, ax, path, title, "requests served",
+                   "mean acceptance length per wave\n(tokens per verify step)")
+
+
+def _finish(fig, ax, path: Path, title: str, xlabel: str, ylabel: str) -> Path:
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
     ax.set_title(title)
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120)
-    plt.close(fig)
+    _plt().close(fig)
     return path
 
 
@@ -141,15 +148,8 @@ def plot_acceptance_requests(results: Sequence[ArmResult], path: Path, title: st
         xs, ys = zip(*sorted(pts))
         line, = ax.plot(xs, rolling(ys, window), label=f"{r.name} (rolling mean of {window})")
         ax.scatter(xs, ys, s=6, alpha=0.25, color=line.get_color())
-    ax.set_xlabel("request, in serving order (each prompt new)")
-    ax.set_ylabel("acceptance length (tokens per verify step)")
-    ax.set_title(title)
-    ax.grid(alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return _finish(fig, ax, path, title, "request, in serving order (each prompt new)",
+                   "acceptance length (tokens per verify step)")
 
 
 def plot_throughput(rows: Sequence[Row], path: Path, title: str) -> Path:

@@ -19,6 +19,7 @@ from pathlib import Path
 from tqdm.auto import tqdm
 
 from vllm_onlinespec.bench.arm import PROGRESS_TAG
+from vllm_onlinespec.bench.arms import clear_own_checkpoints
 from vllm_onlinespec.bench.results import ArmResult, ArmSpec
 
 
@@ -27,6 +28,7 @@ def run_arm(spec: ArmSpec, log_dir: Path, n_prompts: int, position: int = 0) -> 
     spec_path = log_dir / f"{spec.name}.spec.json"
     spec_path.write_text(json.dumps(asdict(spec), indent=1))
     Path(spec.out).unlink(missing_ok=True)  # a stale result must never pass for this run's
+    clear_own_checkpoints(spec)
     log_path = log_dir / f"{spec.name}.log"
     env = {**os.environ, "TOKENIZERS_PARALLELISM": "false"}
     env.setdefault("VLLM_LOGGING_LEVEL", "INFO")

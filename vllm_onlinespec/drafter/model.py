@@ -67,12 +67,12 @@ class Attention(nn.Module):
         k = self.k_norm(self.k_proj(x).view(b, s, self.n_kv, self.head_dim))
         return apply_rope(k, *rope), self.v_proj(x).view(b, s, self.n_kv, self.head_dim)
 
-    def forward(self, x: Tensor, ctx: Tensor, rope_q: tuple[Tensor, Tensor],
-                rope_ctx: tuple[Tensor, Tensor], mask: Tensor) -> Tensor:
+    def forward(self, x: Tensor, ctx_kv: tuple[Tensor, Tensor], rope_q: tuple[Tensor, Tensor],
+                mask: Tensor) -> Tensor:
         b, s, _ = x.shape
         q = apply_rope(self.q_norm(self.q_proj(x).view(b, s, self.n_heads, self.head_dim)), *rope_q)
         k_blk, v_blk = self.kv(x, rope_q)
-        k_ctx, v_ctx = self.kv(ctx, rope_ctx)  # context rows bypass input_layernorm (vLLM does too)
+        k_ctx, v_ctx = ctx_kv
         k = torch.cat([k_ctx, k_blk], dim=1).transpose(1, 2)
         v = torch.cat([v_ctx, v_blk], dim=1).transpose(1, 2)
         if self.n_kv != self.n_heads:
@@ -102,9 +102,9 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, x: Tensor, ctx: Tensor, rope_q: tuple[Tensor, Tensor],
-                rope_ctx: tuple[Tensor, Tensor], mask: Tensor) -> Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), ctx, rope_q, rope_ctx, mask)
+    def forward(self, x: Tensor, ctx_kv: tuple[Tensor, Tensor], rope_q: tuple[Tensor, Tensor],
+                mask: Tensor) -> Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), ctx_kv, rope_q, mask)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -173,13 +173,22 @@ class DFlashDrafter(nn.Module):
         # The target's table is frozen: detach so no gradient is ever accumulated into it.
         return F.embedding(ids, embed_weight.detach()).to(self.dtype)
 
-    def _run(self, x: Tensor, pos: Tensor, ctx: Tensor, ctx_pos: Tensor, mask: Tensor) -> Tensor:
+    def context_kv(self, features: Tensor, ctx_positions: Tensor) -> list[tuple[Tensor, Tensor]]:
+        """Each layer's context keys/values, what vLLM precomputes into the drafter's KV cache
+        once per committed token (and keeps, across weight updates: see publish.kv_policy)."""
+        cfg = self.config
+        ctx = self.context(features)
+        rope_ctx = rope_cos_sin(ctx_positions, cfg.head_dim, cfg.rope_theta)
+        # context rows bypass input_layernorm (vLLM does too)
+        return [layer.self_attn.kv(ctx, rope_ctx) for layer in self.layers]
+
+    def _run(self, x: Tensor, pos: Tensor, ctx_kv: list[tuple[Tensor, Tensor]],
+             mask: Tensor) -> Tensor:
         cfg = self.config
         rope_q = rope_cos_sin(pos, cfg.head_dim, cfg.rope_theta)
-        rope_ctx = rope_cos_sin(ctx_pos, cfg.head_dim, cfg.rope_theta)
         mask = mask.unsqueeze(1)  # broadcast over heads
-        for layer in self.layers:
-            x = layer(x, ctx, rope_q, rope_ctx, mask)
+        for layer, kv in zip(self.layers, ctx_kv, strict=True):
+            x = layer(x, kv, rope_q, mask)
         return self.norm(x)
 
     def draft_hidden(self, ctx_features: Tensor, ctx_positions: Tensor, ctx_valid_mask: Tensor,
@@ -197,16 +206,19 @@ class DFlashDrafter(nn.Module):
         see_ctx = ctx_valid_mask & (ctx_positions < first_position.view(b, 1))
         mask = torch.cat([see_ctx.unsqueeze(1).expand(-1, bs, -1),
                           see_ctx.new_ones(b, bs, bs)], dim=-1)
-        h = self._run(self._embed(ids, embed_weight), pos, self.context(ctx_features),
-                      ctx_positions, mask)
+        h = self._run(self._embed(ids, embed_weight), pos,
+                      self.context_kv(ctx_features, ctx_positions), mask)
         return h[:, 1:]
 
     def train_hidden(self, features: Tensor, input_ids: Tensor, anchors: Tensor,
-                     embed_weight: Tensor) -> Tensor:
+                     embed_weight: Tensor,
+                     ctx_kv: list[tuple[Tensor, Tensor]] | None = None) -> Tensor:
         """Many blocks per sequence in one forward, [B, A, K, H] (see build_train_mask).
 
         features [B,T,n*Ht] and input_ids [B,T]: row t is position t. anchors [B,A]: positions
         a_j < T, -1 = unused (its rows are garbage; mask them with block_labels' valid).
+        ctx_kv: context keys/values to use instead of this drafter's own (e.g. computed by older
+        weights, as a served request's draft KV cache holds them).
         """
         b, t = input_ids.shape
         a, bs = anchors.shape[1], self.config.block_size
@@ -216,6 +228,8 @@ class DFlashDrafter(nn.Module):
         pos = anchors.clamp(min=0).unsqueeze(-1) + torch.arange(bs, device=anchors.device)
         ctx_pos = torch.arange(t, device=input_ids.device).expand(b, t)
         mask = build_train_mask(anchors, t, bs)
+        if ctx_kv is None:
+            ctx_kv = self.context_kv(features, ctx_pos)
         h = self._run(self._embed(ids.view(b, a * bs), embed_weight), pos.view(b, a * bs),
-                      self.context(features), ctx_pos, mask)
+                      ctx_kv, mask)
         return h.view(b, a, bs, -1)[:, :, 1:]

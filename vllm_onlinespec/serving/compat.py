@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import time
 import threading
 from dataclasses import dataclass
 from typing import Any, Iterable, Iterator
@@ -307,6 +308,34 @@ def wrap_draft_sampler(runner: Any, on_hidden) -> None:
         return orig(hidden_states, sampling_metadata)
 
     drafter._sample_draft_tokens = _sample_draft_tokens
+
+
+def time_target_steps(runner: Any, sizes: Iterable[int], reps: int = 3) -> list[tuple[int, float]]:
+    """(tokens, seconds) of target-only forward steps on dummy inputs, for the step cost model.
+
+    Uses the runner's warm-up path (`_dummy_run`) with the drafter's own dummy pass switched off:
+    the budget prices verify tokens, which cost target compute only. Sizes beyond the runner's
+    token capacity are clipped. One untimed run per size first (allocator and kernel warm-up).
+    """
+    drafter = getattr(runner, "drafter", None)
+    cap = int(getattr(runner, "max_num_tokens", 1 << 30))
+    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
+    out: list[tuple[int, float]] = []
+    if drafter is not None:
+        drafter.dummy_run = lambda *a, **k: None  # instance attribute shadows the method
+    try:
+        for n in sorted({max(1, min(int(n), cap)) for n in sizes}):
+            runner._dummy_run(n)
+            for _ in range(reps):
+                sync()
+                t0 = time.perf_counter()
+                runner._dummy_run(n)
+                sync()
+                out.append((n, time.perf_counter() - t0))
+    finally:
+        if drafter is not None:
+            del drafter.dummy_run
+    return out
 
 
 def num_speculative_tokens(vllm_config: Any) -> int:

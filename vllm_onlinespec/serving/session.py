@@ -25,6 +25,8 @@ from vllm_onlinespec.serving.trace import DraftTracer
 from vllm_onlinespec.verify_length import make_policy
 
 logger = logging.getLogger("vllm_onlinespec")
+# Token counts the start-up probe times: decode-sized to a full verify batch of a busy server.
+PROBE_TOKENS = (1, 8, 32, 64, 128, 256, 512)
 
 
 def config_from_vllm(vllm_config: Any) -> OnlineSpecConfig:
@@ -154,6 +156,26 @@ class OnlineSession:
         cm = getattr(self.policy, "cost_model", None)
         if cm is not None:
             cm.observe(tokens, seconds)
+    def probe_step_cost(self, runner: Any) -> None:
+        """Start-up measurement of the target step's cost for the budget policy: timed dummy
+        steps over a spread of token counts, before any request. Real steps refresh it online.
+        A failed probe leaves the prior in place and says so."""
+        cm = getattr(self.policy, "cost_model", None)
+        if cm is None:
+            return
+        try:
+            t0 = time.perf_counter()
+            samples = compat.time_target_steps(runner, PROBE_TOKENS)
+            for n, sec in samples:
+                cm.observe(n, sec)
+            logger.info("onlinespec: start-up probe, %d timed target steps of %s tokens in "
+                        "%.1f s: %s", len(samples), sorted({n for n, _ in samples}),
+                        time.perf_counter() - t0, cm.describe())
+        except Exception as e:  # noqa: BLE001 - the prior and online refits still work
+            logger.warning("onlinespec: start-up cost probe failed (%s: %s); the budget starts "
+                           "from the prior %s and refits from real steps",
+                           type(e).__name__, e, cm.describe())
+
     def capture(self, runner: Any) -> compat.StepView | None:
         if not self.wants_feedback:
             return None

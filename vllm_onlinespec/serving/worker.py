@@ -28,6 +28,14 @@ class SpecDecodeWorker(_Base):  # type: ignore[misc, valid-type]
                                "unset VLLM_USE_V2_MODEL_RUNNER")
         return runner_class(compat.base_runner_class())(self.vllm_config, self.device)
 
+    def compile_or_warm_up_model(self, *args, **kwargs):
+        out = super().compile_or_warm_up_model(*args, **kwargs)
+        runner = getattr(self, "model_runner", None)
+        session = getattr(runner, "_onlinespec", None)
+        if session is not None:
+            session.probe_step_cost(runner)  # after warm-up: compiled, KV cache allocated
+        return out
+
     def onlinespec_stats(self) -> dict:
         """Learner, buffer and publishing figures (`LLM.collective_rpc("onlinespec_stats")`)."""
         session = getattr(getattr(self, "model_runner", None), "_onlinespec", None)

@@ -133,12 +133,14 @@ class BlockStats:
 def block_loss(drafter: DFlashDrafter, ids: Tensor, aux: Tensor, final_hidden: Tensor,
                anchors: Tensor, embed_w: Tensor, head_w: Tensor, *, loss_cfg: LossConfig | None = None,
                length_head: LengthHead | None = None, lengths: Tensor | None = None,
-               impl: str = "auto") -> tuple[Tensor, BlockStats]:
+               impl: str = "auto", ctx_kv: list[tuple[Tensor, Tensor]] | None = None
+               ) -> tuple[Tensor, BlockStats]:
     """Distillation loss of the drafter on the blocks at `anchors` (+ the length head's MSE).
 
     ids [B,T], aux [B,T,F], final_hidden [B,T,H]: right-padded, row t = position t; lengths [B]
     (default T). anchors [B,A] from sample_anchors (-1 = unused). embed_w/head_w: the target's
     frozen embedding table and LM head (the same tensor for tied models).
+    ctx_kv: per-layer context keys/values to draft against instead of the drafter's own.
     Returns (loss with graph, BlockStats). The length head sees detached drafter states, so its
     MSE trains the head only and the sum is safe to backprop as one loss.
     """
@@ -146,7 +148,7 @@ def block_loss(drafter: DFlashDrafter, ids: Tensor, aux: Tensor, final_hidden: T
 
     cfg = loss_cfg or LossConfig()
     k = drafter.config.num_draft_tokens
-    h = drafter.train_hidden(aux, ids, anchors, embed_w)  # [B,A,K,H]
+    h = drafter.train_hidden(aux, ids, anchors, embed_w, ctx_kv)  # [B,A,K,H]
     labels, valid = block_labels(ids, anchors, k, lengths)
     ht = target_block_states(final_hidden, anchors, k)
     pw = position_weights(k, cfg.gamma, h.device).expand_as(valid)

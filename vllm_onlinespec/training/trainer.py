@@ -268,8 +268,10 @@ def _weighted(stats: list[dict], key: str, weight: str) -> float:
 
 @torch.no_grad()
 def evaluate(drafter: DFlashDrafter, head: LengthHead | None, examples: Sequence[Example],
-             embed_w: Tensor, head_w: Tensor, cfg: TrainConfig) -> dict:
-    """Held-out metrics on blocks anchored in the responses with all K labels (fixed anchors)."""
+             embed_w: Tensor, head_w: Tensor, cfg: TrainConfig,
+             ctx_kv_fn: Callable[[dict[str, Tensor]], list] | None = None) -> dict:
+    """Held-out metrics on blocks anchored in the responses with all K labels (fixed anchors).
+    ctx_kv_fn(batch) -> per-layer context K/V to draft against instead of the drafter's own."""
     drafter.eval()
     k = drafter.config.num_draft_tokens
     gen = torch.Generator().manual_seed(12345)
@@ -282,7 +284,8 @@ def evaluate(drafter: DFlashDrafter, head: LengthHead | None, examples: Sequence
         allowed &= torch.arange(t) + k < batch["lengths"].view(-1, 1)  # full windows only
         anchors = sample_anchors(allowed, batch["lengths"], cfg.eval_anchors, k, gen)
         _, st = block_loss(drafter, batch["ids"], batch["aux"], batch["final"], anchors, embed_w,
-                           head_w, loss_cfg=cfg.loss, length_head=head, lengths=batch["lengths"])
+                           head_w, loss_cfg=cfg.loss, length_head=head, lengths=batch["lengths"],
+                           ctx_kv=ctx_kv_fn(batch) if ctx_kv_fn else None)
         stats.append(st.as_dict())
     drafter.train()
     out = {key: _weighted(stats, key, "rows") for key in ("loss", "distill")}

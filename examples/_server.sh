@@ -1,0 +1,27 @@
+# Sourced by the shell examples: SmolLM2 + a DFlash drafter under `vllm serve`, in the background.
+#   start_server ADDITIONAL_CONFIG_JSON [extra `vllm serve` flags]
+# Env: PORT, DRAFTER (default: see _drafter.py), LOG. Sets TARGET, DRAFTER, SERVER (pid); stops
+# the server on exit (SIGINT, so the learner writes its final checkpoint).
+start_server() {
+  TARGET=$(vllm-onlinespec model path smollm2-135m)
+  vllm-onlinespec model pull smollm2-135m >/dev/null
+  DRAFTER=${DRAFTER:-$(python _drafter.py)}
+  local k engine_args
+  k=$(DRAFTER_PATH="$DRAFTER" python -c "import os,_drafter; print(_drafter.num_speculative_tokens(os.environ['DRAFTER_PATH']))")
+  # Same CPU defaults as the library's engine_kwargs(): eager mode, explicit 1 GiB KV cache.
+  engine_args=$(python -c "from vllm_onlinespec.engine import serve_args; print(' '.join(serve_args()))")
+  # "onlinespec" in --additional-config selects vllm_onlinespec's worker (the plugin does it).
+  vllm serve "$TARGET" --host 127.0.0.1 --port "$PORT" --dtype float32 --served-model-name smollm2 \
+    --speculative-config "{\"method\": \"dflash\", \"model\": \"$DRAFTER\", \"num_speculative_tokens\": $k}" \
+    --additional-config "$1" "${@:2}" $engine_args >"$LOG" 2>&1 &
+  SERVER=$!
+  trap 'kill -INT $SERVER 2>/dev/null; wait $SERVER 2>/dev/null || true' EXIT
+  echo "vllm serve (pid $SERVER) starting, log: $LOG"
+  for _ in $(seq 300); do
+    curl -sf "http://127.0.0.1:$PORT/health" >/dev/null && return 0
+    kill -0 $SERVER 2>/dev/null || { tail -30 "$LOG"; exit 1; }
+    sleep 1
+  done
+  echo "server not healthy after 300 s; log: $LOG"
+  exit 1
+}
