@@ -4,14 +4,17 @@ vLLM precomputes each committed token's context keys/values into the drafter's K
 (DFlashProposer -> precompute_and_store_context_kv) and keeps them when we publish new weights.
 A request in flight at a publish therefore drafts with new queries against K/V that older
 weights projected. This script measures, on prompts neither drafter has seen, the greedy
-acceptance length of the learned drafter with
+acceptance length of the newer weights (--learned) with
 
-    fresh        every context row projected by the learned weights (what 'recompute' would buy)
-    stale prompt the prompt's rows by the start weights, the response's by the learned ones
-                 (a request admitted before the update, typical under continuous publishing)
-    stale all    every context row by the start weights (worst case: nothing re-projected)
+    fresh K/V            every context row projected by the newer weights (what re-projecting
+                         the cache after each publish would buy)
+    prompt K/V by older  the prompt's rows by the older weights (--start), the response's by
+                         the newer ones: a request admitted before the update
+    all K/V by older     every context row by the older weights (the bound: nothing re-projected)
 
-next to the start drafter itself. Offline, on the PyTorch twin (parity with vLLM: tests).
+next to the older weights themselves. Offline, on the PyTorch twin (parity with vLLM: tests).
+The gap depends on how far the weights moved: compare the start drafter with the end of a run
+(the worst case) and two checkpoints a request's lifetime apart (what serving sees).
 
     python benchmarks/stale_kv.py --start DRAFTER --learned runs/domain_shift/checkpoints/online-ogd \\
         --spec-bench ../shared/data/spec_bench/question.jsonl --category math_reasoning \\
@@ -42,12 +45,15 @@ def hf_greedy(target, tok):
     return fn
 
 
-def learned_folder(path: Path) -> Path:
-    """A drafter folder, or the newest complete learner checkpoint's model/ under `path`."""
+def drafter_folder(path: Path) -> Path:
+    """A drafter folder, one learner checkpoint (its model/), or the newest complete checkpoint
+    in a checkpoint directory."""
     from vllm_onlinespec.learner.checkpoint import MODEL_DIR, latest_complete
 
     if (path / "config.json").is_file():
         return path
+    if (path / MODEL_DIR / "config.json").is_file():
+        return path / MODEL_DIR
     ck = latest_complete(path)
     if ck is None or not (ck / MODEL_DIR / "config.json").is_file():
         raise FileNotFoundError(f"{path}: no drafter folder and no complete checkpoint with "
@@ -57,8 +63,9 @@ def learned_folder(path: Path) -> Path:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--start", required=True, help="start drafter folder")
-    ap.add_argument("--learned", required=True, help="learned drafter folder or checkpoint dir")
+    ap.add_argument("--start", required=True, help="older weights: drafter folder, checkpoint, "
+                    "or checkpoint dir (newest)")
+    ap.add_argument("--learned", required=True, help="newer weights: the same kinds")
     ap.add_argument("--target", default="smollm2-135m")
     ap.add_argument("--spec-bench", required=True)
     ap.add_argument("--category", default="math_reasoning")
@@ -66,6 +73,7 @@ def main() -> None:
     ap.add_argument("--num-prompts", type=int, default=24)
     ap.add_argument("--max-tokens", type=int, default=96)
     ap.add_argument("--out", help="write the figures as JSON here")
+    ap.add_argument("--cache", help="keep the target's generations here (default: a temp dir)")
     args = ap.parse_args()
 
     from transformers import AutoTokenizer
@@ -84,11 +92,12 @@ def main() -> None:
     prompts = [p for p in load_spec_bench(args.spec_bench, [args.category]) if p.text not in seen]
     prompts = prompts[:args.num_prompts]
     target = load_target(target_path, "float32")
-    with tempfile.TemporaryDirectory() as cache:
+    with tempfile.TemporaryDirectory() as tmp:
+        cache = args.cache or tmp
         samples = generate(target_path, prompts, SamplingSpec(max_tokens=args.max_tokens),
                            tokenizer=tok, cache_dir=cache, generate_fn=hf_greedy(target, tok))
-    dcfg, start, _ = load_drafter(args.start, dtype=torch.float32)
-    _, learned, _ = load_drafter(learned_folder(Path(args.learned)), dtype=torch.float32)
+    dcfg, start, _ = load_drafter(drafter_folder(Path(args.start)), dtype=torch.float32)
+    _, learned, _ = load_drafter(drafter_folder(Path(args.learned)), dtype=torch.float32)
     examples = extract_features(target, samples, list(dcfg.target_layer_ids), dtype=torch.float32)
     embed_w = target.get_input_embeddings().weight.detach().float()
     head_w = target.get_output_embeddings().weight.detach().float()
@@ -109,14 +118,14 @@ def main() -> None:
     all_rows = lambda b, t: torch.ones(b["ids"].shape[0], t, dtype=torch.bool)  # noqa: E731
     with torch.no_grad():
         rows = {
-            "start drafter": evaluate(start, None, examples, embed_w, head_w, cfg),
-            "learned, fresh K/V": evaluate(learned, None, examples, embed_w, head_w, cfg),
-            "learned, prompt K/V stale": evaluate(learned, None, examples, embed_w, head_w, cfg,
-                                                  spliced(prompt_rows)),
-            "learned, all K/V stale": evaluate(learned, None, examples, embed_w, head_w, cfg,
-                                               spliced(all_rows)),
+            "older weights": evaluate(start, None, examples, embed_w, head_w, cfg),
+            "newer, fresh K/V": evaluate(learned, None, examples, embed_w, head_w, cfg),
+            "newer, prompt K/V by older": evaluate(learned, None, examples, embed_w, head_w, cfg,
+                                                   spliced(prompt_rows)),
+            "newer, all K/V by older": evaluate(learned, None, examples, embed_w, head_w, cfg,
+                                                spliced(all_rows)),
         }
-    print(f"{len(examples)} unseen {args.category} prompts, {rows['start drafter']['blocks']} "
+    print(f"{len(examples)} unseen {args.category} prompts, {rows['older weights']['blocks']} "
           f"blocks with all K labels\n")
     print("| drafter / context K/V | acceptance length | first-token match |\n|---|---|---|")
     for name, r in rows.items():

@@ -64,7 +64,7 @@ def test_bad_value_one_line(bad, expected):
 
 @pytest.mark.parametrize("bad, fragments", [
     ({"algorithm": "sgd"}, ["onlinespec.algorithm", "'ogd'", "'ensemble'", "'sgd'"]),
-    ({"publish": {"kv_policy": "flush"}}, ["onlinespec.publish.kv_policy", "'recompute'"]),
+    ({"publish": {"kv_policy": "flush"}}, ["onlinespec.publish.kv_policy", "'tolerate'", "'flush'"]),
     ({"loss": {"mode": "kl"}}, ["onlinespec.loss.mode", "'reverse_kl'"]),
     ({"buffer": {"bogus": 1}}, ["onlinespec.buffer.bogus", "unknown field", "window_tokens"]),
     ({"lrr": 1}, ["onlinespec.lrr", "unknown field"]),

