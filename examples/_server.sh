@@ -11,7 +11,7 @@ start_server() {
   # Same CPU defaults as the library's engine_kwargs(): eager mode, explicit 1 GiB KV cache.
   engine_args=$(python -c "from vllm_onlinespec.engine import serve_args; print(' '.join(serve_args()))")
   # "onlinespec" in --additional-config selects vllm_onlinespec's worker (the plugin does it).
-  vllm serve "$TARGET" --host 127.0.0.1 --port "$PORT" --dtype float32 --served-model-name smollm2 \
+  vllm serve "$TARGET" --host 127.0.0.1 --port "$PORT" --dtype bfloat16 --served-model-name smollm2 \
     --speculative-config "{\"method\": \"dflash\", \"model\": \"$DRAFTER\", \"num_speculative_tokens\": $k}" \
     --additional-config "$1" "${@:2}" $engine_args >"$LOG" 2>&1 &
   SERVER=$!

@@ -48,7 +48,7 @@ def main() -> None:
     target = str(pull("smollm2-135m"))
     drafter = args.drafter or default_drafter()
     k = num_speculative_tokens(drafter)
-    llm = LLM(model=target, dtype="float32", **engine_kwargs(), disable_log_stats=False,
+    llm = LLM(model=target, dtype="bfloat16", **engine_kwargs(), disable_log_stats=False,
               speculative_config={"method": "dflash", "model": drafter,
                                   "num_speculative_tokens": k},
               # The "onlinespec" key alone selects vllm_onlinespec's worker.
@@ -73,7 +73,7 @@ def main() -> None:
     deadline = time.time() + 30
     while time.time() < deadline:
         st = llm.collective_rpc("onlinespec_stats")[0]
-        if st["buffer/fresh"] <= len(ROUNDS[-1]) * k:
+        if st["learner/caught_up"]:  # too little fresh feedback left for another update
             break
         time.sleep(0.5)
     print(f"final: drafter version {st['published_version']}, learner updates "

@@ -86,8 +86,8 @@ def test_optimistic_momentum_hand_computed():
 def test_hedge_weights_closed_form_and_average():
     ps = [torch.zeros(2)]
     lrs = [0.1, 0.2, 0.4]
-    eps = 0.7
-    h = HedgeEnsemble(ps, lrs, eps=eps, member_factory=lambda q, lr: Optimistic(
+    eta = 0.7
+    h = HedgeEnsemble(ps, lrs, eta=eta, member_factory=lambda q, lr: Optimistic(
         q, lr=lr, precondition="none"))
     torch.testing.assert_close(h.weights, torch.full((3,), 1 / 3, dtype=torch.float64))
     losses = [[1.0, 2.0, 0.5], [3.0, 0.1, 0.2], [0.4, 0.4, 5.0]]
@@ -95,7 +95,7 @@ def test_hedge_weights_closed_form_and_average():
     for L in losses:
         h.step([g, g, g], L)
     cum = torch.tensor(losses, dtype=torch.float64).sum(0)
-    expect = torch.exp(-eps * cum) / torch.exp(-eps * cum).sum()
+    expect = torch.exp(-eta * cum) / torch.exp(-eta * cum).sum()
     torch.testing.assert_close(h.weights, expect, rtol=1e-12, atol=0)
     assert h.weights.sum().item() == pytest.approx(1.0, abs=1e-12)
     # members moved by lr_i * (g + g + g) (optimistic, constant g => 3 steps of g): average
@@ -106,7 +106,7 @@ def test_hedge_weights_closed_form_and_average():
 
 
 def test_hedge_log_sum_exp_is_stable():
-    h = HedgeEnsemble([torch.zeros(1)], [1e-3, 1e-2], eps=1.0)
+    h = HedgeEnsemble([torch.zeros(1)], [1e-3, 1e-2], eta=1.0)
     g = [torch.zeros(1)]
     h.step([g, g], [1e5, 1e5 + 2.0])  # exp(-1e5) underflows without log-sum-exp
     w = h.weights
@@ -116,7 +116,7 @@ def test_hedge_log_sum_exp_is_stable():
 
 def test_hedge_closure_measures_loss_before_update_and_restores_on_failure():
     x = [torch.zeros(1)]
-    h = HedgeEnsemble(x, [0.1, 1.0], eps=1.0, member_factory=lambda q, lr: Optimistic(
+    h = HedgeEnsemble(x, [0.1, 1.0], eta=1.0, member_factory=lambda q, lr: Optimistic(
         q, lr=lr, precondition="none"))
     seen = []
 
@@ -145,7 +145,8 @@ def test_hedge_closure_measures_loss_before_update_and_restores_on_failure():
     lambda ps: OGD(ps, lr=1e-2, weight_decay=0.01),
     lambda ps: Optimistic(ps, lr=1e-2),
     lambda ps: OptimisticMomentum(ps, lr=1e-2),
-    lambda ps: HedgeEnsemble(ps, [3e-3, 1e-2, 3e-2], eps=0.5),
+    lambda ps: HedgeEnsemble(ps, [3e-3, 1e-2, 3e-2], eta=0.5),
+    lambda ps: HedgeEnsemble(ps, [3e-3, 1e-2, 3e-2], eta=0.5, share=0.05),
 ])
 def test_state_dict_round_trip(make):
     a_params, b_params = params(), params()
@@ -218,3 +219,79 @@ def test_make_algorithm_types():
         assert type(alg) is cls
     h = make_algorithm(OnlineSpecConfig.from_any({"algorithm": "ensemble"}), ps)
     assert h.lrs == [3e-5, 1e-4, 3e-4]
+
+
+def drift_losses(rounds_before: int, rounds_after: int) -> list[list[float]]:
+    """Member 0 is the best for `rounds_before` rounds, then member 2 is (noisy, bounded)."""
+    g = torch.Generator().manual_seed(3)
+    out = []
+    for t in range(rounds_before + rounds_after):
+        best = 0 if t < rounds_before else 2
+        base = [1.0, 0.8, 1.0]
+        base[best] = 0.2
+        out.append([b + 0.1 * float(torch.rand(1, generator=g)) for b in base])
+    return out
+
+
+def hedge_after(losses, share: float, eta: float = 0.5) -> tuple[HedgeEnsemble, list[int]]:
+    h = HedgeEnsemble([torch.zeros(1)], [1e-3, 1e-2, 1e-1], eta=eta, share=share)
+    g = [torch.zeros(1)]
+    leader = []
+    for L in losses:
+        h.step([g, g, g], L)
+        leader.append(int(h.weights.argmax()))
+    return h, leader
+
+
+def test_fixed_share_follows_drift_plain_hedge_cannot():
+    """300 rounds with member 0 best, then member 2 best. Fixed share moves the weight to the
+    new best member within ~20 rounds; plain Hedge stays on the old leader for as long as it
+    takes the cumulative losses to cross (about the 300 rounds it led)."""
+    before, after = 300, 60
+    losses = drift_losses(before, after)
+    shared, lead_shared = hedge_after(losses, share=0.01)
+    plain, lead_plain = hedge_after(losses, share=0.0)
+    assert lead_shared[before - 1] == 0 and lead_plain[before - 1] == 0
+    switch = next(t for t in range(before, before + after) if lead_shared[t] == 2) - before
+    assert switch <= 20, switch
+    assert shared.weights[2] > 0.9 and shared.weights.min() >= 0.01 / 3 * 0.99
+    assert lead_plain[-1] == 0 and plain.weights[2] < 1e-6  # collapsed: cannot follow
+    torch.testing.assert_close(shared.weights.sum(), torch.tensor(1.0, dtype=torch.float64))
+
+
+def test_fixed_share_one_round_closed_form():
+    h = HedgeEnsemble([torch.zeros(1)], [0.1, 0.2], eta=2.0, share=0.1)
+    g = [torch.zeros(1)]
+    h.step([g, g], [1.0, 0.0])
+    w = torch.tensor([math.exp(-2.0), 1.0], dtype=torch.float64)
+    w = w / w.sum()
+    torch.testing.assert_close(h.weights, 0.9 * w + 0.1 / 2, rtol=1e-12, atol=0)
+
+
+def test_hedge_loads_checkpoints_from_before_fixed_share():
+    """Old state dicts: `eps` instead of `eta`, no `share`, no `log_weights` (weights were a
+    function of cum_loss). They load, keep their weights, and then follow this ensemble's
+    share."""
+    ps = params()
+    h = HedgeEnsemble(ps, [1e-2, 3e-2], eta=0.5, share=0.05)
+    sd = h.state_dict()
+    old = {k: v for k, v in sd.items() if k not in ("eta", "share", "log_weights")}
+    old["eps"] = 0.7
+    old["cum_loss"] = torch.tensor([3.0, 1.0], dtype=torch.float64)
+    h2 = HedgeEnsemble(params(), [1e-2, 3e-2], eta=0.5, share=0.05)
+    h2.load_state_dict(old)
+    assert h2.eta == 0.7 and h2.share == 0.05
+    expect = torch.softmax(-0.7 * torch.tensor([3.0, 1.0], dtype=torch.float64), dim=0)
+    torch.testing.assert_close(h2.weights, expect, rtol=1e-12, atol=0)
+    # new checkpoints round-trip share and weights exactly
+    h3 = HedgeEnsemble(params(), [1e-2, 3e-2], eta=0.1, share=0.0)
+    h3.load_state_dict(h2.state_dict())
+    assert h3.share == 0.05 and torch.equal(h3.log_weights, h2.log_weights)
+
+
+def test_make_algorithm_passes_hedge_share_and_eta():
+    cfg = OnlineSpecConfig.from_any({"algorithm": "ensemble", "hedge_eps": 0.3,
+                                     "hedge_share": 0.02})
+    h = make_algorithm(cfg, params())
+    assert h.eta == 0.3 and h.share == 0.02
+    assert OnlineSpecConfig.from_any({}).hedge_share == 0.01

@@ -395,3 +395,86 @@ def test_learner_thread_moves_off_the_serving_core_only():
     assert seen["serving"] == {cores[0]}
     assert seen["moved"] == seen["mask"] and cores[0] not in seen["mask"] and seen["mask"]
     assert os.sched_getaffinity(0) == set(cores)
+
+
+@pytest.mark.parametrize("explicit", [True, False])
+def test_ready_gate_ignores_held_back_tokens(explicit):
+    """min_new_tokens_per_update counts only tokens make_batch can use now: with K = 4 held
+    back, 10 generated tokens (9 trainable) give 5 usable, below the 8 required."""
+    from vllm_onlinespec.learner.batches import make_batch_fn
+
+    K = 4
+    buf = FeedbackBuffer(window_tokens=64, max_tokens=512)
+    batcher = make_batch_fn(batch_blocks=4, anchors_per_request=4, holdback=K)
+    calls = []
+
+    def make_batch(b):
+        calls.append(b.fresh_count(K))
+        return None
+
+    kw = {"holdback": K} if explicit else {}
+    if not explicit:  # the holdback is read off the batcher
+        make_batch = batcher
+    lr = OnlineLearner(model(), cfg(min_new_tokens_per_update=8), mse_loss, make_batch, buf,
+                       **kw)
+    x = torch.randn(10, F)
+    buf.push(FeedbackRecord("r", torch.arange(5), 0, torch.randn(5, F), torch.randn(5, H), 0, 0))
+    buf.push(FeedbackRecord("r", torch.arange(5, 15), 5, x, x @ TEACHER, 4, 3))
+    assert lr.sync_step() == "no_batch"
+    assert calls == [] and buf.fresh_count(K) == 5  # make_batch was not even asked
+    assert buf.fresh_tokens == 9  # 5 prompt tokens and the first generated one: context
+    st = lr.stats()
+    assert lr.holdback == K and st["fresh_trainable"] == 5 and st["caught_up"]
+    x = torch.randn(3, F)
+    buf.push(FeedbackRecord("r", torch.arange(15, 18), 15, x, x @ TEACHER, 4, 2))
+    assert buf.fresh_count(K) == 8
+    lr.sync_step()  # the gate opens now
+    if explicit:
+        assert calls == [8]
+    else:  # the batcher took the tokens (the toy mse_loss cannot train its BlockBatch)
+        assert buf.fresh_count(K) == 0 and buf.trained_tokens == 8
+
+
+def test_block_batches_train_a_tiny_drafter_end_to_end():
+    """The serving path's pieces without vLLM: prefill + decode feedback -> BlockBatcher ->
+    block_loss on a tiny DFlash drafter. Updates succeed, anchors sit on generated tokens, and
+    the updates cover all trainable tokens but the held-back ones."""
+    from vllm_onlinespec.drafter import DFlashConfig, DFlashDrafter
+    from vllm_onlinespec.learner.batches import make_batch_fn
+    from vllm_onlinespec.training.blocks import block_loss
+
+    K, Hd, P = 3, 32, 9
+    dcfg = DFlashConfig(hidden_size=Hd, intermediate_size=64, num_hidden_layers=1,
+                        num_attention_heads=4, num_key_value_heads=2, head_dim=8, vocab_size=50,
+                        target_layer_ids=[0, 1], mask_token_id=0, block_size=K + 1,
+                        rope_theta=10000.0, torch_dtype="float32")
+    torch.manual_seed(0)
+    drafter = DFlashDrafter(dcfg)
+    g = torch.Generator().manual_seed(1)
+    emb, head = torch.randn(50, Hd, generator=g), torch.randn(50, Hd, generator=g)
+    seen_anchors = []
+
+    def loss_fn(m, batch):
+        seen_anchors.append(batch.anchors[batch.anchors >= 0].tolist())
+        loss, st = block_loss(m, batch.ids, batch.aux, batch.final_hidden, batch.anchors, emb,
+                              head, lengths=batch.lengths)
+        return loss, st.as_dict()
+
+    buf = FeedbackBuffer(window_tokens=128, max_tokens=512)
+
+    def push(start, n, drafted):
+        buf.push(FeedbackRecord("r", torch.randint(1, 50, (n,), generator=g), start,
+                                torch.randn(n, 2 * Hd, generator=g),
+                                torch.randn(n, Hd, generator=g), drafted, min(drafted, n - 1)))
+
+    push(0, P, 0)  # prefill
+    pos = P
+    for n in (4, 2, 4, 1, 3, 4, 2, 4, 4, 3):
+        push(pos, n, K)
+        pos += n
+    lr = OnlineLearner(drafter, cfg(lr=1e-3, min_new_tokens_per_update=1), loss_fn,
+                       make_batch_fn(batch_blocks=4, anchors_per_request=4, holdback=K), buf)
+    statuses = [lr.sync_step() for _ in range(5)]
+    assert statuses[:3] == ["updated"] * 3 and statuses[3:] == ["no_batch"] * 2, statuses
+    assert all(a >= P for anchors in seen_anchors for a in anchors), seen_anchors
+    assert buf.trained_tokens == pos - K - (P + 1) and buf.fresh_count(K) == 0

@@ -65,9 +65,9 @@ def wait_learned(llm, timeout: float = 90.0) -> dict:
     deadline = time.time() + timeout
     while True:
         st = stats(llm)
-        # Each request's newest K tokens wait for their labels (holdback); vLLM reports a request
-        # finished only with the next step's scheduler output, so they stay until the next pass.
-        if st["buffer/fresh"] <= len(PROMPTS) * K or time.time() > deadline:
+        # caught_up: what is left fresh is less than one update needs (held-back tokens, whose
+        # labels come with the next pass, excluded).
+        if st["learner/caught_up"] or time.time() > deadline:
             return st
         time.sleep(0.5)
 

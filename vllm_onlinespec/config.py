@@ -113,6 +113,22 @@ class LengthHeadConfig(_Section):
         True, description="train the length head online from accept/reject feedback")
 
 
+ORACLE_ENV = "VLLM_ONLINESPEC_BENCHMARK_ORACLE"
+
+
+class OracleConfig(_Section):
+    """Benchmark-only: output is NOT the target's. Measures the ceiling a perfect drafter would
+    reach at the real cost of drafting and verifying (vLLM's synthetic rejection mode, which
+    vLLM refuses on CPU)."""
+
+    accept_len: float | None = Field(
+        None, ge=1.0, description="force this mean acceptance length per verify step, in tokens "
+        "(>= 1, at most K + 1; None = off): each request's drafts are accepted up to a sampled "
+        "length whatever the target says, so the OUTPUT IS NOT THE TARGET'S. Refused unless "
+        f"the environment has {ORACLE_ENV}=1 and learning is off (enabled = false)")
+    seed: int = Field(0, ge=0, description="seed of the oracle's acceptance draws (>= 0)")
+
+
 class OnlineSpecConfig(_Section):
     """Root configuration of online speculative decoding (`--onlinespec-config` JSON)."""
 
@@ -139,8 +155,15 @@ class OnlineSpecConfig(_Section):
         [3e-5, 1e-4, 3e-4], min_length=1, description="learning rates of the Hedge ensemble "
         "members, one learner each (each > 0; algorithm 'ensemble' needs >= 2)")
     hedge_eps: float = Field(
-        0.1, gt=0.0, description="Hedge learning rate, per unit of accumulated loss (> 0): "
-        "weights p_i ~ exp(-hedge_eps * L_i)")
+        0.1, gt=0.0, description="Hedge learning rate eta, per unit of loss (> 0): each update "
+        "multiplies member i's weight by exp(-hedge_eps * loss_i) (without share: "
+        "p_i ~ exp(-hedge_eps * L_i), L_i the cumulative loss)")
+    hedge_share: float = Field(
+        0.01, ge=0.0, lt=1.0, description="Hedge fixed share (Herbster & Warmuth), in [0, 1): "
+        "after each update this fraction of the total weight is spread evenly over the members, "
+        "so no weight falls below hedge_share / N and the ensemble can move to a member that "
+        "becomes the best after the traffic drifts (0 = plain Hedge, whose weights cannot "
+        "recover once collapsed)")
 
     # -- what one update sees ---------------------------------------------------------------
     batch_blocks: int = Field(
@@ -180,6 +203,21 @@ class OnlineSpecConfig(_Section):
     loss: LossConfig = Field(default_factory=LossConfig, description="online training loss")
     length_head: LengthHeadConfig = Field(
         default_factory=LengthHeadConfig, description="verify-length head and policy")
+    oracle: OracleConfig = Field(
+        default_factory=OracleConfig, description="benchmark-only forced acceptance (off)")
+
+    @model_validator(mode="after")
+    def _oracle_is_explicit(self) -> "OnlineSpecConfig":
+        if self.oracle.accept_len is None:
+            return self
+        if os.environ.get(ORACLE_ENV) != "1":
+            raise ValueError(
+                f"oracle.accept_len is benchmark-only (output is not the target's); set "
+                f"{ORACLE_ENV}=1 in the environment to allow it")
+        if self.enabled:
+            raise ValueError("oracle.accept_len needs enabled = false (the learner would train "
+                             "on forced acceptances)")
+        return self
 
     @model_validator(mode="after")
     def _ensemble_needs_members(self) -> "OnlineSpecConfig":

@@ -77,15 +77,14 @@ def request_result(o, index: int, prompt: dict, wave: int, version: int) -> Requ
                          tpot_ms=tpot, acceptance_length=al, drafter_version=version)
 
 
-def catch_up(llm, spec: ArmSpec, wave_size: int) -> float:
+def catch_up(llm, spec: ArmSpec) -> float:
     """Pause (at most spec.catch_up_s) until the learner has trained on this wave's feedback."""
     if spec.catch_up_s <= 0 or not spec.learning:
         return 0.0
     t0 = time.perf_counter()
-    # Each request's newest K tokens wait for labels that never come once it finished.
-    floor = wave_size * max(1, spec.num_speculative_tokens)
     while time.perf_counter() - t0 < spec.catch_up_s:
-        if onlinespec_stats(llm, spec).get("buffer/fresh", 0) <= floor:
+        # caught_up: fewer trainable fresh tokens than one update needs (holdback excluded).
+        if onlinespec_stats(llm, spec).get("learner/caught_up", True):
             break
         time.sleep(0.25)
     return time.perf_counter() - t0
@@ -123,7 +122,7 @@ def run(spec: ArmSpec) -> ArmResult:
                             tpot_ms=sum(tpots) / len(tpots) if tpots else float("nan"),
                             version_start=v0, version_end=int(st1.get("published_version", 0)),
                             learner_updates=int(st1.get("learner/updates", 0)))
-            wr.catch_up_s = catch_up(llm, spec, len(batch))
+            wr.catch_up_s = catch_up(llm, spec)
             res.waves.append(wr)
             res.serve_s += wall
             res.save()

@@ -19,7 +19,7 @@ from pathlib import Path
 
 from vllm_onlinespec.bench import prompts as P
 
-def recipe_flags(recipe: str = "smollm2-default") -> dict:
+def recipe_flags(recipe: str = "smollm2-small") -> dict:
     """A `vllm-onlinespec train` recipe as {flag: value}, without its prompt sources (the
     default recipe turns on HumanEval, which a domain-shift run must be able to leave out)."""
     from vllm_onlinespec.training.cli import RECIPES
@@ -91,9 +91,9 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     a("--wave", type=int, default=4, help="prompts served together per wave (default 4)")
     a("--max-tokens", type=int, default=128, help="answer length cap (default 128)")
     a("--max-prompt-tokens", type=int, default=512, help="skip longer prompts (default 512)")
-    a("--dtype", default="float32", choices=["float32", "bfloat16"],
-      help="float32 (default: this CPU has no native bf16; greedy output is then identical "
-      "across arms) or bfloat16")
+    a("--dtype", default="bfloat16", choices=["bfloat16", "float32"],
+      help="bfloat16 (default: the serving recipe; AVX512-BF16/AMX CPUs decode ~1.7x faster "
+      "than float32) or float32 (greedy output then identical across arms, token for token)")
     a("--online", default="{}", help="JSON merged into the learning arms' onlinespec settings")
     a("--catch-up-s", type=float, default=0.0, help="after each wave, let the learner catch up "
       "for at most this many seconds (not counted as serving time; default 0)")

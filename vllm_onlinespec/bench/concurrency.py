@@ -257,7 +257,8 @@ def add_bench_serve_parser(sub: argparse._SubParsersAction) -> None:
     a("--max-prompt-tokens", type=int, default=512, help="skip longer Spec-Bench prompts")
     a("--drafter", help="DFlash drafter folder (default: the cached smollm2-default drafter)")
     a("--target", default="smollm2-135m")
-    a("--dtype", default="float32", choices=["float32", "bfloat16"])
+    a("--dtype", default="bfloat16", choices=["bfloat16", "float32"],
+      help="bfloat16 (default, the serving recipe) or float32 (exact greedy equality)")
     a("--online", default="{}", help="JSON merged into the learning arms' onlinespec settings")
     a("--out", required=True)
     b.set_defaults(func=run_bench_serve)

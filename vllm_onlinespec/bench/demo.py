@@ -134,7 +134,7 @@ def run_demo(args: argparse.Namespace) -> int:
     stream, what = _stream(args, plan, tok)
     stream_path = P.write_stream(stream, out / "stream.jsonl")
     print(f"[3/4] serving {len(stream)} new prompts from another domain ({what}), waves of "
-          f"{plan.wave}, greedy, up to {plan.max_tokens} tokens, float32; arms: "
+          f"{plan.wave}, greedy, up to {plan.max_tokens} tokens, bfloat16; arms: "
           + ", ".join(ARMS), flush=True)
     online = DEFAULT_ONLINE  # measured on this stream: see bench/arms.py
     specs = [make_arm(a, target=target, prompts=str(stream_path), out_dir=out, drafter=str(drafter),

@@ -23,7 +23,7 @@ class ArmSpec:
     drafter: str | None = None
     num_speculative_tokens: int = 0
     onlinespec: dict | None = None  # additional_config["onlinespec"]; None = plain vLLM worker
-    dtype: str = "float32"
+    dtype: str = "bfloat16"  # the serving recipe; float32 only where outputs must match exactly
     wave: int = 4  # prompts per wave: one llm.chat call, batched
     max_tokens: int = 128
     max_model_len: int = 2048

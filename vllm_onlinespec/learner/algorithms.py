@@ -8,24 +8,62 @@ written later (or from another thread) sees the state of the moment it was taken
 A gradient entry may be None (parameter unused by this batch): that parameter and its state
 are left alone, like torch.optim does.
 
-Uniform driver for the learner: `step_closure(closure)` where `closure()` computes the loss and
-gradients at the *current* values of `params` and returns `(loss: float, grads)`. Single-model
-rules call it once; `HedgeEnsemble` calls it once per member with that member's weights loaded.
+Uniform driver for the learner: `step_closure(closure, check)` where `closure()` computes the
+loss and gradients at the *current* values of `params` and returns `(loss: float, grads)`.
+Single-model rules call it once; `HedgeEnsemble` calls it once per member with that member's
+weights loaded.
+
+Transactions: `step_closure` is all-or-nothing. Before the rule runs it takes an `Undo` of
+exactly what the step may change (`snapshot`); if the step or `check()` (the learner's
+finiteness test) raises, `restore` puts parameters, per-parameter state, step count and, for
+Hedge, member weights, member optimizer states and Hedge weights back bit for bit, and the
+exception propagates. `step` itself is the raw rule and is not transactional.
+
+What a snapshot costs (transient: allocated per update, freed after it): one copy of every
+parameter that has a gradient and of each state tensor the rule changes *in place*; state the
+rule *replaces* (the optimistic hint `prev_u`) is kept by reference, free. In units of the
+trainable parameters' bytes: OGD and OptimisticMomentum +3x (p, m, v), Optimistic +2x (p, v),
+Hedge over N OGD members +(1 + 3N)x (the served average plus each member's p, m, v). For the
+8.7 M-parameter fp32 drafter used here that is ~0.1 GB for OGD; for a 1 B-parameter fp32
+drafter it is ~12 GB on top of the ~12 GB the weights and Adam moments already take.
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
 import torch
 
 Grads = Sequence[torch.Tensor | None]
 Closure = Callable[[], tuple[float, Grads]]
+Check = Callable[[], None]
+
+
+class NonFiniteUpdate(RuntimeError):
+    """An update met a non-finite value (loss, gradient or result); it was undone."""
+
+
+@dataclass
+class Undo:
+    """What one step may change, saved before it runs (OnlineAlgorithm.snapshot)."""
+
+    t: int
+    state: list[dict[str, torch.Tensor]]  # shallow copies: restores rebound and new slots
+    saved: list[tuple[torch.Tensor, torch.Tensor]]  # (tensor the step changes in place, copy)
+
+
+@dataclass
+class HedgeUndo(Undo):
+    members: list[Undo] = field(default_factory=list)
+    log_w: torch.Tensor | None = None  # replaced by each step, never mutated: a reference
+    cum_loss: torch.Tensor | None = None  # likewise
+    last_losses: list[float] = field(default_factory=list)
 
 
 class OnlineAlgorithm:
-    """Base class; subclasses implement `step`, `_state` and `_load_state`."""
+    """Base class; subclasses implement `step` and declare their state slots."""
 
     def __init__(self, params: Sequence[torch.Tensor], lr: float) -> None:
         self.params = list(params)
@@ -35,14 +73,53 @@ class OnlineAlgorithm:
     def step(self, grads: Grads) -> None:
         raise NotImplementedError
 
-    def step_closure(self, closure: Closure) -> float:
+    def step_closure(self, closure: Closure, check: Check | None = None) -> float:
         loss, grads = closure()
-        self.step(grads)
+        undo = self.snapshot(grads)
+        self._commit_or_undo(undo, lambda: self.step(grads), check)
         return float(loss)
+
+    def _commit_or_undo(self, undo: Undo, run: Callable[[], None], check: Check | None) -> None:
+        try:
+            run()
+            if check is not None:
+                check()
+        except BaseException:
+            self.restore(undo)
+            raise
 
     def _check(self, grads: Grads) -> None:
         if len(grads) != len(self.params):
             raise ValueError(f"got {len(grads)} gradients for {len(self.params)} parameters")
+
+    # -- undo -----------------------------------------------------------------------------------
+    # Slots a step *rebinds* to a new tensor instead of changing in place: the snapshot keeps
+    # the old reference instead of a copy. Every other slot is copied (safe by default).
+    _rebound_slots: tuple[str, ...] = ()
+
+    @torch.no_grad()
+    def snapshot(self, grads: Grads) -> Undo:
+        """Everything step(grads) may change: only parameters with a gradient (the others and
+        their state are left alone by contract) and their in-place state slots."""
+        self._check(grads)
+        saved = []
+        for i, (p, g) in enumerate(zip(self.params, grads)):
+            if g is None:
+                continue
+            saved.append((p, p.detach().clone()))
+            for name, s in self.state[i].items():
+                if name not in self._rebound_slots:
+                    saved.append((s, s.clone()))
+        return Undo(t=self.t, state=[dict(st) for st in self.state], saved=saved)
+
+    @torch.no_grad()
+    def restore(self, undo: Undo) -> None:
+        for live, copy in undo.saved:
+            live.copy_(copy)
+        # Slots created by the failed step are absent from the shallow copies; rebound ones
+        # point at their old tensors again.
+        self.state = [dict(st) for st in undo.state]
+        self.t = undo.t
 
     # -- state ----------------------------------------------------------------------------------
     _slots: tuple[str, ...] = ()  # names of per-parameter state tensors
@@ -121,6 +198,7 @@ class Optimistic(OnlineAlgorithm):
     """
 
     _slots = ("exp_avg_sq", "prev_u")
+    _rebound_slots = ("prev_u",)  # step() stores a new tensor there, never writes into it
 
     def __init__(self, params: Sequence[torch.Tensor], lr: float = 1e-4,
                  betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
@@ -175,40 +253,67 @@ class OptimisticMomentum(Optimistic):
         return m_hat / (v.sqrt() / math.sqrt(1 - b2 ** self.t)).add_(self.eps)
 
 
+def hedge_log_weights(log_w: torch.Tensor, losses: torch.Tensor, eta: float,
+                      share: float) -> torch.Tensor:
+    """One Hedge round with fixed share (Herbster & Warmuth 1998), in the log domain, float64.
+
+    Exponential update w'_i ~ w_i exp(-eta l_i), normalised; then every member gets back a
+    share of the mass: w_i = (1 - share) w'_i + share / N. share = 0 is plain Hedge, whose
+    weights are exp(-eta L_i) / sum_j exp(-eta L_j) for cumulative losses L; with share > 0 no
+    weight falls below share / N, so a member that becomes the best after a drift regains the
+    lead within about log(N / share) / (eta * loss gap) rounds instead of as many rounds as the
+    old leader spent ahead."""
+    z = log_w - eta * losses
+    z = z - torch.logsumexp(z, dim=0)
+    if share > 0:
+        n = z.numel()
+        z = torch.logaddexp(z + math.log1p(-share), torch.full_like(z, math.log(share / n)))
+        z = z - torch.logsumexp(z, dim=0)  # (1 - s) + s sums to 1 only up to rounding
+    return z
+
+
 class HedgeEnsemble(OnlineAlgorithm):
     """Hedge over N learners that differ in learning rate.
 
     Each member owns a copy of the trainable parameters and its own inner rule. Per step every
-    member's loss on the fresh batch is measured *before* that member updates and added to its
-    cumulative loss L_i; the weights are p_i = exp(-eps L_i) / sum_j exp(-eps L_j) (computed by
-    log-sum-exp in float64, so large L never overflows); the served `params` are then set to the
-    p-weighted average of the members' parameters. Averaging is meaningful because all members
-    start from the same weights and move by small online steps.
+    member's loss on the fresh batch is measured *before* that member updates; the Hedge
+    weights take one exponential step with learning rate `eta` on those losses, then a fixed
+    share `share` of the mass is spread uniformly (see hedge_log_weights; log domain, float64,
+    so large losses never overflow). The served `params` are then set to the p-weighted
+    average of the members' parameters. Averaging is meaningful because all members start
+    from the same weights and move by small online steps. `cum_loss` keeps each member's
+    cumulative loss (a statistic; the weights are the state `log_weights`).
     """
 
-    def __init__(self, params: Sequence[torch.Tensor], lrs: Sequence[float], eps: float = 0.1,
+    def __init__(self, params: Sequence[torch.Tensor], lrs: Sequence[float],
+                 eta: float | None = None,
                  member_factory: Callable[[list[torch.Tensor], float], OnlineAlgorithm]
-                 | None = None) -> None:
+                 | None = None, share: float = 0.0, *, eps: float | None = None) -> None:
+        """eta: Hedge learning rate per unit of loss (default 0.1; `eps` is its old name, still
+        accepted). share: fixed-share mixing in [0, 1) (0 = plain Hedge)."""
         super().__init__(params, lr=max(lrs))
-        if len(lrs) < 1 or eps <= 0:
-            raise ValueError("need >= 1 learning rate and eps > 0")
+        eta = eta if eta is not None else (eps if eps is not None else 0.1)
+        if len(lrs) < 1 or eta <= 0 or not 0 <= share < 1:
+            raise ValueError("need >= 1 learning rate, eta > 0 and 0 <= share < 1")
         self.lrs = [float(x) for x in lrs]
-        self.eps = float(eps)
+        self.eta = float(eta)
+        self.share = float(share)
         factory = member_factory or (lambda ps, lr: OGD(ps, lr=lr))
         self.members = [[p.detach().clone() for p in self.params] for _ in self.lrs]
         self.algos = [factory(ps, lr) for ps, lr in zip(self.members, self.lrs)]
-        self.cum_loss = torch.zeros(len(self.lrs), dtype=torch.float64)
-        self.last_losses: list[float] = [float("nan")] * len(self.lrs)
+        n = len(self.lrs)
+        self.log_w = torch.full((n,), -math.log(n), dtype=torch.float64)
+        self.cum_loss = torch.zeros(n, dtype=torch.float64)
+        self.last_losses: list[float] = [float("nan")] * n
 
     @property
     def log_weights(self) -> torch.Tensor:
-        z = -self.eps * self.cum_loss
-        return z - torch.logsumexp(z, dim=0)
+        return self.log_w
 
     @property
     def weights(self) -> torch.Tensor:
         """Current Hedge weights p (float64, sums to 1)."""
-        return self.log_weights.exp()
+        return self.log_w.exp()
 
     @torch.no_grad()
     def load_member(self, i: int) -> None:
@@ -231,18 +336,56 @@ class HedgeEnsemble(OnlineAlgorithm):
         if losses is None or len(losses) != len(self.members) or len(grads) != len(self.members):
             raise ValueError(f"need {len(self.members)} gradient lists and losses")
         if not all(math.isfinite(x) for x in losses):
-            raise ValueError(f"non-finite member loss {list(losses)}")
+            raise NonFiniteUpdate(f"non-finite member loss {list(losses)}")
         self.t += 1
-        self.cum_loss += torch.tensor([float(x) for x in losses], dtype=torch.float64)
+        lt = torch.tensor([float(x) for x in losses], dtype=torch.float64)
+        # Rebound, never written in place: an Undo keeps the old tensors by reference.
+        self.cum_loss = self.cum_loss + lt
+        self.log_w = hedge_log_weights(self.log_w, lt, self.eta, self.share)
         self.last_losses = [float(x) for x in losses]
         for algo, g in zip(self.algos, grads):
             algo.step(g)
         self._write_average()
 
-    def step_closure(self, closure: Closure) -> float:
-        """Evaluate every member first, then update all: a failure in any evaluation leaves
-        members, cumulative losses and the served average as they were."""
+    @torch.no_grad()
+    def snapshot(self, grads: Sequence[Grads],  # type: ignore[override]
+                 served: list[torch.Tensor] | None = None) -> HedgeUndo:
+        """Members' own snapshots, the Hedge weights, and the served average (all of it: it is
+        rewritten from every member). `served`: copies of the served params already taken."""
+        if len(grads) != len(self.members):
+            raise ValueError(f"need {len(self.members)} gradient lists")
+        if served is None:
+            served = [p.detach().clone() for p in self.params]
+        return HedgeUndo(t=self.t, state=[], saved=list(zip(self.params, served)),
+                         members=[a.snapshot(g) for a, g in zip(self.algos, grads)],
+                         log_w=self.log_w, cum_loss=self.cum_loss,
+                         last_losses=self.last_losses)
+
+    @torch.no_grad()
+    def restore(self, undo: Undo) -> None:
+        assert isinstance(undo, HedgeUndo)
+        for algo, u in zip(self.algos, undo.members):
+            algo.restore(u)
+        for live, copy in undo.saved:
+            live.copy_(copy)
+        self.t = undo.t
+        self.log_w, self.cum_loss = undo.log_w, undo.cum_loss
+        self.last_losses = undo.last_losses
+
+    def _check_members(self) -> None:
+        # A member that went non-finite would poison every later average: refuse the step.
+        for i, mem in enumerate(self.members):
+            if not all(bool(torch.isfinite(q).all()) for q in mem):
+                raise NonFiniteUpdate(f"ensemble member {i} (lr {self.lrs[i]:g}) after its update")
+
+    def step_closure(self, closure: Closure, check: Check | None = None) -> float:
+        """Evaluate every member first, then update all, as one transaction: a failure in any
+        evaluation, member update or `check` leaves members, their optimizer states, the
+        Hedge weights and the served average bit-identical to before."""
         p_before = self.weights
+        # Evaluation loads each member into the served params: keep them to put back exactly
+        # (re-averaging would not reproduce the initial weights bit for bit).
+        served = [p.detach().clone() for p in self.params]
         losses, grads = [], []
         try:
             for i in range(len(self.members)):
@@ -251,20 +394,32 @@ class HedgeEnsemble(OnlineAlgorithm):
                 losses.append(float(loss))
                 grads.append(list(g))
         except BaseException:
-            self._write_average()
+            with torch.no_grad():
+                for p, b in zip(self.params, served):
+                    p.copy_(b)
             raise
-        self.step(grads, losses)
+        undo = self.snapshot(grads, served=served)
+
+        def run() -> None:
+            self.step(grads, losses)
+            self._check_members()
+
+        self._commit_or_undo(undo, run, check)
         # The loss the served mixture "paid" this round, in Hedge's own accounting.
         return float((p_before * torch.tensor(losses, dtype=torch.float64)).sum())
 
     def state_dict(self) -> dict:
-        return {"type": type(self).__name__, "t": self.t, "lrs": list(self.lrs), "eps": self.eps,
+        return {"type": type(self).__name__, "t": self.t, "lrs": list(self.lrs), "eta": self.eta,
+                "share": self.share, "log_weights": self.log_w.clone(),
                 "cum_loss": self.cum_loss.clone(),
                 "members": [[q.detach().clone() for q in mem] for mem in self.members],
                 "algos": [a.state_dict() for a in self.algos]}
 
     @torch.no_grad()
     def load_state_dict(self, sd: dict) -> None:
+        """Also loads checkpoints written before fixed share existed: those have `eps` (the old
+        name of eta) and no `share` / `log_weights`; their weights follow from cum_loss, and
+        the share stays what this ensemble was built with."""
         if sd.get("type") != type(self).__name__ or len(sd["members"]) != len(self.members):
             raise ValueError(f"state is not for a {len(self.members)}-member HedgeEnsemble")
         for mem, saved in zip(self.members, sd["members"]):
@@ -278,7 +433,12 @@ class HedgeEnsemble(OnlineAlgorithm):
         self.cum_loss = sd["cum_loss"].detach().to(torch.float64).clone()
         self.t = int(sd["t"])
         self.lrs = [float(x) for x in sd["lrs"]]
-        self.eps = float(sd["eps"])
+        self.eta = float(sd["eta"] if "eta" in sd else sd["eps"])
+        self.share = float(sd.get("share", self.share))
+        if "log_weights" in sd:
+            self.log_w = sd["log_weights"].detach().to(torch.float64).clone()
+        else:
+            self.log_w = torch.log_softmax(-self.eta * self.cum_loss, dim=0)
         self._write_average()
 
 
@@ -292,6 +452,8 @@ def make_algorithm(cfg, params: Sequence[torch.Tensor]) -> OnlineAlgorithm:
     if cfg.algorithm == "optimistic_momentum":
         return OptimisticMomentum(params, lr=cfg.lr, **kw)
     if cfg.algorithm == "ensemble":
-        return HedgeEnsemble(params, cfg.ensemble_lrs, eps=cfg.hedge_eps,
+        # cfg.hedge_eps is Hedge's learning rate eta (config name kept for old configs).
+        return HedgeEnsemble(params, cfg.ensemble_lrs, eta=cfg.hedge_eps,
+                             share=cfg.hedge_share,
                              member_factory=lambda ps, lr: OGD(ps, lr=lr, **kw))
     raise ValueError(f"unknown algorithm {cfg.algorithm!r}")

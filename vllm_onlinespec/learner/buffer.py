@@ -3,8 +3,25 @@
 The serving thread pushes one `FeedbackRecord` per request per engine step (the tokens it just
 committed, with the target's features at those positions). The learner thread samples
 `TrainingWindow`s: contiguous runs of a request's most recent tokens, ending at the newest one,
-that contain tokens not yet trained on ("fresh"), so training blocks anchored at fresh tokens
-still see the committed context before them.
+that contain tokens not yet trained on ("fresh"), so training blocks anchored before fresh
+tokens still see the committed context before them.
+
+Which tokens count. A token is *trainable* when serving ever asks the drafter to predict it and
+the window holds what a block predicting it needs: it comes after the request's first
+generated token (vLLM drafts only from generated tokens: prompt tokens and the first generated
+token, which prefill samples, are never drafted; the offline trainer anchors the same way), and
+the anchor row before it has >= CONTEXT_ROWS context rows inside the window. Every token that
+arrives ends up counted exactly once as
+  - context (`context_tokens`): never trainable: prompt, first generated token, window head;
+  - trained (`trained_tokens`): handed to the learner as a block label (see
+    sample_training_windows: a sampler that passes `max_fresh` gets only what its blocks cover);
+  - dropped (`drops`): trainable but discarded before the learner took it;
+  - fresh: trainable, still waiting.
+Where prompt tokens end comes from `FeedbackRecord.prompt_len` when the serving layer sets it;
+without it the buffer infers it: a request's leading records that drafted nothing and commit
+more than one token are prefill (chunks), and the first other record starts at its first
+generated token (a decode step that drafted nothing commits exactly one). A final prefill chunk
+of one token is taken for a decode step: its prompt token then counts as generated.
 
 Costs on the serving thread are O(1) per push: records are kept as-is (no concatenation) and only
 the learner pays for `torch.cat` when it samples, outside the lock.
@@ -43,6 +60,9 @@ class FeedbackRecord:
     num_accepted: int = 0  # of those, accepted
     drafter_version: int = 0  # weights version that produced the draft
     draft_hidden: torch.Tensor | None = None  # [num_draft, H] drafter post-norm block states
+    # The request's prompt length in tokens (its first generated token is at this position),
+    # when the serving layer knows it; None = inferred (see the module docstring).
+    prompt_len: int | None = None
 
     def __post_init__(self) -> None:
         if self.token_ids.dim() != 1:
@@ -108,6 +128,7 @@ class TrainingWindow:
     fresh_to: int  # one past the last fresh index (< T when tokens were held back)
     records: list[FeedbackRecord]  # records overlapping the fresh range (length-head labels)
     finished: bool
+    response_from: int = 0  # position (not index) of the request's first generated token
 
     @property
     def positions(self) -> torch.Tensor:
@@ -118,12 +139,18 @@ class TrainingWindow:
         return self.fresh_to - self.fresh_from
 
 
+# A block anchored at window row a sees the context rows < a; at least this many must exist.
+CONTEXT_ROWS = 1
+
+
 @dataclass
 class _Request:
     records: deque = field(default_factory=deque)
     tokens: int = 0  # tokens held (sum over records)
     next_pos: int = -1  # position the next record should start at
     trained_to: int = -1  # positions < trained_to have been handed to the learner
+    response_from: int = 0  # position of the first generated token (as far as known)
+    response_known: bool = False  # response_from is final (prompt_len given or decode seen)
     fresh_seq: int = 0  # arrival order of the oldest fresh token, for FIFO fairness
     finished: bool = False
     drafted: int = 0
@@ -134,12 +161,33 @@ class _Request:
     def start_pos(self) -> int:
         return self.records[0].start_pos if self.records else self.next_pos
 
+    @property
+    def trainable_from(self) -> int:
+        """First position a block can be trained to predict (module docstring): its anchor,
+        the row before it, is a generated token with CONTEXT_ROWS rows before it."""
+        return max(self.response_from + 1, self.start_pos + CONTEXT_ROWS + 1)
+
+    def fresh_lo(self) -> int:
+        return max(self.trained_to, self.trainable_from)
+
     def fresh(self, holdback: int = 0) -> int:
         if not self.records:
             return 0
-        lo = max(self.trained_to, self.start_pos)
         hi = self.next_pos - (0 if self.finished else holdback)
-        return max(0, hi - lo)
+        return max(0, hi - self.fresh_lo())
+
+    def note_response_start(self, rec: FeedbackRecord) -> None:
+        """Learn where the prompt ends from a record about to be appended."""
+        if rec.prompt_len is not None:  # the serving layer knows: authoritative
+            self.response_from, self.response_known = rec.prompt_len, True
+        elif self.response_known:
+            pass
+        elif rec.num_draft == 0 and rec.num_tokens > 1:
+            # Prefill (a chunk of it): a decode step commits one token when nothing was
+            # drafted. Nothing is generated yet, so the response starts after this chunk.
+            self.response_from = rec.end_pos
+        else:  # the first decode step: its first row is the first generated token
+            self.response_from, self.response_known = rec.start_pos, True
 
 
 class FeedbackBuffer:
@@ -164,6 +212,8 @@ class FeedbackBuffer:
         self.records_in = 0
         self.tokens_in = 0
         self.drops = 0  # fresh tokens discarded untrained
+        self.trained_tokens = 0  # fresh tokens handed to the learner
+        self.context_tokens = 0  # tokens that can never be trained on (see module docstring)
         self.evictions = 0  # requests evicted to respect a bound
         self.gaps = 0  # records whose start_pos broke the request's continuity
         self.total_drafted = 0
@@ -194,7 +244,8 @@ class FeedbackBuffer:
             r = self._reqs.get(rec.req_id)
             if r is None:
                 r = self._reqs[rec.req_id] = _Request(next_pos=rec.start_pos,
-                                                      trained_to=rec.start_pos)
+                                                      trained_to=rec.start_pos,
+                                                      response_from=rec.start_pos)
             self._reqs.move_to_end(rec.req_id)
             r.drafted += rec.num_draft
             r.accepted += rec.num_accepted
@@ -211,13 +262,18 @@ class FeedbackBuffer:
                 rec = rec.tail(self.window_tokens)
             else:
                 rec = _compact(rec)
-            if r.fresh() == 0:
+            before = r.fresh()
+            if before == 0:
                 r.fresh_seq = next(self._seq)
+            r.note_response_start(rec)
             r.records.append(rec)
             r.tokens += rec.num_tokens
             r.next_pos = rec.end_pos
             self._tokens += rec.num_tokens
             self._records += 1
+            # Whatever of this record did not become fresh can never be trained on (a later
+            # slide of the window that loses fresh tokens counts them as drops instead).
+            self.context_tokens += rec.num_tokens - (r.fresh() - before)
             self._trim_window(r)
             self._enforce_bounds(keep=rec.req_id)
 
@@ -234,32 +290,43 @@ class FeedbackBuffer:
 
     # -- learner side ---------------------------------------------------------------------------
     def sample_training_windows(self, max_windows: int, min_fresh: int = 1,
-                                holdback: int = 0) -> list[TrainingWindow]:
+                                holdback: int = 0, max_fresh: int | None = None
+                                ) -> list[TrainingWindow]:
         """Up to `max_windows` windows (one per request, oldest fresh data first), each ending at
-        the request's newest token and holding up to `window_tokens` tokens. Their fresh tokens
-        are marked consumed. `holdback` keeps the newest tokens of running requests fresh for a
-        later update (so a block anchored there can see its labels); finished requests are
-        drained fully and released."""
+        the request's newest token and holding up to `window_tokens` tokens.
+
+        The window's fresh range [fresh_from, fresh_to) is marked trained: that is the promise
+        the caller makes by taking it, so a caller should take only what it trains on.
+        `max_fresh` caps the range at the oldest `max_fresh` fresh tokens (a batcher that covers
+        at most that many labels per request passes it); the rest stay fresh for later.
+        `holdback` keeps the newest tokens of running requests fresh for a later update (so a
+        block anchored there can see its labels); finished requests are drained (over several
+        calls when capped) and then released."""
+        if max_fresh is not None and max_fresh < 1:
+            raise ValueError(f"max_fresh must be >= 1 (got {max_fresh})")
         picked: list[tuple[_Request, str, list[FeedbackRecord], int, int, int]] = []
         with self._lock:
             cands = [(r.fresh_seq, rid, r) for rid, r in self._reqs.items()
                      if r.fresh(holdback) >= min_fresh]
             cands.sort(key=lambda c: c[0])
             for _, rid, r in cands[:max_windows]:
-                lo = max(r.trained_to, r.start_pos)
-                hi = lo + r.fresh(holdback)
-                picked.append((r, rid, list(r.records), r.start_pos, lo, hi))
-                r.trained_to = hi
+                lo = r.fresh_lo()
+                n = r.fresh(holdback)
+                if max_fresh is not None:
+                    n = min(n, max_fresh)
+                picked.append((r, rid, list(r.records), r.start_pos, lo, lo + n))
+                r.trained_to = lo + n
+                self.trained_tokens += n
                 r.fresh_seq = next(self._seq)  # whatever stays fresh queues behind the others
                 if r.finished and r.fresh() == 0:
                     self._release(rid, count_drops=False)
         # Concatenate outside the lock: records are immutable once pushed.
-        return [self._window(rid, recs, start, lo, hi, r.finished)
+        return [self._window(rid, recs, start, lo, hi, r.finished, r.response_from)
                 for r, rid, recs, start, lo, hi in picked]
 
     @staticmethod
     def _window(rid: str, recs: list[FeedbackRecord], start: int, lo: int, hi: int,
-                finished: bool) -> TrainingWindow:
+                finished: bool, response_from: int) -> TrainingWindow:
         th = None
         if all(rec.target_hidden is not None for rec in recs):
             th = torch.cat([rec.target_hidden for rec in recs])
@@ -267,7 +334,8 @@ class FeedbackBuffer:
         return TrainingWindow(
             req_id=rid, start_pos=start, token_ids=torch.cat([rec.token_ids for rec in recs]),
             aux=torch.cat([rec.aux for rec in recs]), target_hidden=th,
-            fresh_from=lo - start, fresh_to=hi - start, records=fresh_recs, finished=finished)
+            fresh_from=lo - start, fresh_to=hi - start, records=fresh_recs, finished=finished,
+            response_from=response_from)
 
     # -- statistics -----------------------------------------------------------------------------
     @property
@@ -285,11 +353,12 @@ class FeedbackBuffer:
 
     @property
     def fresh_tokens(self) -> int:
-        """Untrained tokens held (including any a sampler would hold back)."""
+        """Trainable, untrained tokens held (including any a sampler would hold back)."""
         return self.fresh_count(0)
 
     def fresh_count(self, holdback: int = 0) -> int:
-        """Untrained tokens that `sample_training_windows(..., holdback)` would hand out now."""
+        """Trainable, untrained tokens that `sample_training_windows(..., holdback)` would hand
+        out now (without a max_fresh cap)."""
         with self._lock:
             return sum(r.fresh(holdback) for r in self._reqs.values())
 
@@ -316,6 +385,7 @@ class FeedbackBuffer:
             return {"size": self._tokens, "records": self._records, "requests": len(self._reqs),
                     "fresh": fresh, "records_in": self.records_in, "tokens_in": self.tokens_in,
                     "drops": self.drops, "evictions": self.evictions, "gaps": self.gaps,
+                    "trained": self.trained_tokens, "context": self.context_tokens,
                     "drafted": self.total_drafted, "accepted": self.total_accepted,
                     "acceptance": self.total_accepted / max(1, self.total_drafted)}
 

@@ -8,9 +8,12 @@ so the same learner trains the drafter, the length head, or a toy module in test
 
 Failure policy: nothing raised by make_batch, loss_fn, backward or the update rule ever leaves
 the learner. A non-finite loss, gradient or updated parameter, or any exception, discards the
-update, restores the parameters to their pre-update values, bumps `skipped_nonfinite` or
-`errors`, and is logged once per `log_every` occurrences. The published snapshot therefore only
-ever holds weights from successful updates.
+update, bumps `skipped_nonfinite` or `errors`, and is logged once per `log_every` occurrences.
+Discarding is exact: the update rule runs as a transaction (algorithms.py, "Transactions"), so
+the parameters AND the rule's state (moments, optimistic hints, step count, Hedge weights and
+members) are bit-identical to before, and the next update proceeds as if the failed one had
+never been tried. The published snapshot therefore only ever holds weights from successful
+updates.
 
 Threads and CPU: `torch.set_num_threads(cfg.learner_threads)` is called inside the learner
 thread when the count differs (vLLM's CPU worker replaces it with a no-op and already sets
@@ -42,7 +45,7 @@ from torch import nn
 
 from ..config import OnlineSpecConfig
 from . import checkpoint as ckpt
-from .algorithms import HedgeEnsemble, OnlineAlgorithm, make_algorithm
+from .algorithms import HedgeEnsemble, NonFiniteUpdate, OnlineAlgorithm, make_algorithm
 from .buffer import FeedbackBuffer
 
 log = logging.getLogger(__name__)
@@ -52,7 +55,7 @@ MakeBatch = Callable[[Any], Any]
 Snapshot = Mapping[str, torch.Tensor]
 
 
-class _NonFinite(RuntimeError):
+class _NonFinite(NonFiniteUpdate):
     pass
 
 
@@ -65,11 +68,14 @@ class OnlineLearner:
                  ready: Callable[[Any], bool] | None = None,
                  save_model: Callable[[Path], None] | None = None,
                  idle_poll_s: float = 0.02, log_every: int = 100,
-                 name: str = "onlinespec-learner") -> None:
+                 name: str = "onlinespec-learner", holdback: int | None = None) -> None:
         """
+        holdback: newest tokens of each running request that make_batch leaves fresh for a
+            later update (batches.BlockBatcher.holdback: the block size K). Default: make_batch's
+            own `holdback` attribute when it has one, else 0.
         ready(buffer) -> bool: cheap gate checked before make_batch. Default for a
-            FeedbackBuffer: it holds >= cfg.min_new_tokens_per_update fresh tokens (pass
-            `lambda b: b.fresh_count(holdback) >= n` when make_batch holds tokens back).
+            FeedbackBuffer: it holds >= cfg.min_new_tokens_per_update fresh tokens that
+            make_batch can use now, i.e. `buffer.fresh_count(holdback)`.
         save_model(dir): optional extra writer called on checkpoints with an empty directory
             (`<checkpoint>/model/`), e.g. the HF DFlash writer so checkpoints load in vLLM. It
             runs in the learner thread between updates, so it sees consistent weights.
@@ -87,9 +93,15 @@ class OnlineLearner:
         if not self.params:
             raise ValueError("model has no trainable parameters")
         self.algo = algorithm if algorithm is not None else make_algorithm(self.cfg, self.params)
+        if holdback is None:
+            holdback = int(getattr(make_batch, "holdback", 0))
+        if holdback < 0:
+            raise ValueError(f"holdback must be >= 0 (got {holdback})")
+        self.holdback = holdback
         if ready is None and isinstance(buffer, FeedbackBuffer):
             need = self.cfg.min_new_tokens_per_update
-            ready = lambda b: b.fresh_tokens >= need  # noqa: E731
+            # Held-back tokens are fresh but make_batch cannot use them yet: not counted.
+            ready = lambda b: b.fresh_count(holdback) >= need  # noqa: E731
         self.ready = ready
         self.save_model = save_model
         self.idle_poll_s = idle_poll_s
@@ -211,18 +223,15 @@ class OnlineLearner:
     def _train_on(self, batch: Any) -> str:
         t0 = time.perf_counter()
         self.attempts += 1
-        backup = [p.detach().clone() for p in self.params]
         try:
-            loss = self.algo.step_closure(lambda: self._loss_and_grads(batch))
-            with torch.no_grad():
-                if not all(bool(torch.isfinite(p).all()) for p in self.params):
-                    raise _NonFinite("parameters after the update")
-        except _NonFinite as e:
-            self._restore(backup)
+            # A transaction: on any exception (ours from _check_params included) the rule has
+            # already put parameters and its own state back before it re-raises.
+            loss = self.algo.step_closure(lambda: self._loss_and_grads(batch),
+                                          check=self._check_params)
+        except NonFiniteUpdate as e:
             self._count_failure("skipped_nonfinite", "non-finite", e)
             return "nonfinite"
         except Exception as e:
-            self._restore(backup)
             self._count_failure("errors", "update", e)
             return "error"
         dt = time.perf_counter() - t0
@@ -265,9 +274,9 @@ class OnlineLearner:
         return value, grads
 
     @torch.no_grad()
-    def _restore(self, backup: list[torch.Tensor]) -> None:
-        for p, b in zip(self.params, backup):
-            p.copy_(b)
+    def _check_params(self) -> None:
+        if not all(bool(torch.isfinite(p).all()) for p in self.params):
+            raise _NonFinite("parameters after the update")
 
     def _count_failure(self, counter: str, what: str, e: BaseException) -> None:
         n = getattr(self, counter) + 1
@@ -276,7 +285,7 @@ class OnlineLearner:
         if n == 1 or n % self.log_every == 0:
             log.warning("onlinespec learner: %s (%s #%d; update discarded, weights kept at "
                         "version %d)", self.last_error, counter, n, self.version,
-                        exc_info=n == 1 and not isinstance(e, _NonFinite))
+                        exc_info=n == 1 and not isinstance(e, NonFiniteUpdate))
 
     # -- publishing ------------------------------------------------------------------------------
     @torch.no_grad()
@@ -353,6 +362,11 @@ class OnlineLearner:
             "loss_ema": self.loss_ema, "update_ms": self.update_ms,
             "update_ms_ema": self.update_ms_ema, "grad_norm": self.grad_norm,
             "busy_s": self.busy_s, "running": self.running, "last_error": self.last_error}
+        if isinstance(self.buffer, FeedbackBuffer):
+            # What the default ready gate compares with min_new_tokens_per_update (held-back
+            # tokens excluded); caught_up: below it, no update runs until more feedback comes.
+            s["fresh_trainable"] = n = self.buffer.fresh_count(self.holdback)
+            s["caught_up"] = n < self.cfg.min_new_tokens_per_update
         if isinstance(self.algo, HedgeEnsemble):
             s["hedge_weights"] = self.algo.weights.tolist()
         s.update({f"loss/{k}": v for k, v in self.last_stats.items()})

@@ -31,6 +31,7 @@ def apply_patches() -> None:
         return
     _patched = True
     _share_vllm_logging()
+    _fix_cpu_sampling_defects()
     _fix_dflash_grouped_k_norm()
     _keep_plain_weights_while_drafter_loads()
     _select_worker_and_validate_config()
@@ -55,6 +56,17 @@ def _share_vllm_logging() -> None:
         ours.setLevel(logging.INFO)
         # Still propagate: the root logger normally has no handlers (so nothing is printed
         # twice), and an application's or pytest's handlers there keep seeing our records.
+
+
+def _fix_cpu_sampling_defects() -> None:
+    """vLLM-CPU's expand kernel fallback and seeded-generator rewind (cpu_defects.py): fixed
+    in each worker process when its probes find them, for every user of the engine."""
+    from vllm.platforms import current_platform
+
+    if current_platform.is_cpu():
+        from vllm_onlinespec.serving import cpu_defects
+
+        cpu_defects.install(type(current_platform))
 
 
 def _fix_dflash_grouped_k_norm() -> None:
@@ -114,6 +126,9 @@ def _select_worker_and_validate_config() -> None:
     orig = EngineArgs.create_engine_config
 
     def create_engine_config(self, *args, **kwargs):
+        # Before vLLM's CPU platform picks an OpenMP runtime for the workers it will spawn.
+        if _ours_requested(self):
+            _preload_intel_openmp()
         vllm_config = orig(self, *args, **kwargs)
         pc = vllm_config.parallel_config
         ours = pc.worker_cls in (WORKER_QUALNAME, "vllm_onlinespec.serving.worker.SpecDecodeWorker")
@@ -127,6 +142,31 @@ def _select_worker_and_validate_config() -> None:
 
     EngineArgs.create_engine_config = create_engine_config
     EngineArgs._onlinespec_wrapped = True
+
+
+def _ours_requested(engine_args: Any) -> bool:
+    """This project's speculative decoding, read from EngineArgs before the config is built."""
+    extra = getattr(engine_args, "additional_config", None) or {}
+    worker = getattr(engine_args, "worker_cls", None)
+    return (isinstance(extra, dict) and "onlinespec" in extra) or worker in (
+        WORKER_QUALNAME, "vllm_onlinespec.serving.worker.SpecDecodeWorker")
+
+
+_iomp_logged = False
+
+
+def _preload_intel_openmp() -> None:
+    global _iomp_logged
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        return
+    from vllm_onlinespec.serving import openmp
+
+    decision = openmp.apply_for_speculative_engine()
+    if not _iomp_logged:
+        _iomp_logged = True
+        logger.info(decision.line())
 
 
 @contextlib.contextmanager

@@ -51,6 +51,10 @@ class MetricsWriter:
         self.min_interval_s = min_interval_s
         self._last = 0.0
 
+    def due(self) -> bool:
+        """Cheap check before building the stats: a step must not pay for a write it skips."""
+        return self.path is not None and time.monotonic() - self._last >= self.min_interval_s
+
     def write(self, stats: dict[str, Any], info: dict[str, str], force: bool = False) -> None:
         now = time.monotonic()
         if self.path is None or (not force and now - self._last < self.min_interval_s):

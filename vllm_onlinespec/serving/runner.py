@@ -1,7 +1,8 @@
 """The model-runner half of SpecDecodeWorker: hooks into vLLM's V1 runner at four points.
 
   load_model        drafter loads with plain weights (republishable); the online session starts
-  _sample           remembers the rejection sampler's output (accepted lengths)
+  _sample           remembers the rejection sampler's output (accepted lengths); the oracle
+  propose_draft_token_ids   timed only (serving/step_profile.py)
   sample_tokens     before: a view of the target step; after: feedback -> buffer, then publish
   take_draft_token_ids   the verify-length policy cuts each request's draft (issue 5)
 
@@ -16,6 +17,7 @@ import time
 from typing import Any
 
 from vllm_onlinespec.serving import compat
+from vllm_onlinespec.serving.step_profile import StepProfile
 
 logger = logging.getLogger("vllm_onlinespec")
 
@@ -23,8 +25,10 @@ logger = logging.getLogger("vllm_onlinespec")
 class OnlineSpecRunnerMixin:
     _onlinespec: Any = None
     _onlinespec_sampled: Any = None
+    _onlinespec_t0: float | None = None
 
     def load_model(self, *args, **kwargs):
+        self._onlinespec_profile = StepProfile()
         compat.wrap_drafter_load(self)
         out = super().load_model(*args, **kwargs)
         from vllm_onlinespec.serving.session import OnlineSession
@@ -33,27 +37,51 @@ class OnlineSpecRunnerMixin:
         return out
 
     def execute_model(self, scheduler_output, *args, **kwargs):
-        self._onlinespec_t0 = time.perf_counter()
+        t0 = self._onlinespec_t0 = time.perf_counter()
         self._onlinespec_tokens = int(scheduler_output.total_num_scheduled_tokens)
-        return super().execute_model(scheduler_output, *args, **kwargs)
+        try:
+            return super().execute_model(scheduler_output, *args, **kwargs)
+        finally:
+            prof = self._onlinespec_profile
+            prof.steps += 1
+            prof.target_s += time.perf_counter() - t0
 
     def _sample(self, logits, spec_decode_metadata):
+        t0 = time.perf_counter()
         out = super()._sample(logits, spec_decode_metadata)
+        t1 = time.perf_counter()
+        prof, session = self._onlinespec_profile, self._onlinespec
+        prof.sample_s += t1 - t0
         self._onlinespec_sampled = out.sampled_token_ids
-        if self._onlinespec is not None and getattr(self, "_onlinespec_t0", None) is not None:
-            # Target forward + verification, not drafting: what one more verify token costs.
-            self._onlinespec.observe_step_cost(self._onlinespec_tokens,
-                                               time.perf_counter() - self._onlinespec_t0)
-            self._onlinespec_t0 = None
+        if session is not None:
+            with prof.ours(inside_sample_tokens=True):
+                session.force_oracle(out.sampled_token_ids, logits, spec_decode_metadata)
+                if self._onlinespec_t0 is not None:
+                    # Target forward + verification, not drafting: what one more verify token costs.
+                    session.observe_step_cost(self._onlinespec_tokens, t1 - self._onlinespec_t0)
+        self._onlinespec_t0 = None
         return out
 
+    def propose_draft_token_ids(self, *args, **kwargs):
+        t0 = time.perf_counter()
+        try:
+            return super().propose_draft_token_ids(*args, **kwargs)
+        finally:
+            self._onlinespec_profile.draft_s += time.perf_counter() - t0
+
     def sample_tokens(self, grammar_output):
-        session = self._onlinespec
-        view = session.capture(self) if session is not None else None
+        t0 = time.perf_counter()
+        session, prof = self._onlinespec, self._onlinespec_profile
+        view = None
+        if session is not None:
+            with prof.ours(inside_sample_tokens=True):
+                view = session.capture(self)
         self._onlinespec_sampled = None
         out = super().sample_tokens(grammar_output)
         if session is not None:
-            session.after_step(self, view, self._onlinespec_sampled)
+            with prof.ours(inside_sample_tokens=True):
+                session.after_step(self, view, self._onlinespec_sampled)
+        prof.sample_tokens_s += time.perf_counter() - t0
         return out
 
     def take_draft_token_ids(self):
@@ -61,7 +89,11 @@ class OnlineSpecRunnerMixin:
         session = self._onlinespec
         if session is None or drafts is None:
             return drafts
-        return session.cut_drafts(drafts)
+        with self._onlinespec_profile.ours(inside_sample_tokens=False):
+            return session.cut_drafts(drafts)
+
+    def onlinespec_profile(self) -> StepProfile:
+        return self._onlinespec_profile
 
     def shutdown_onlinespec(self) -> None:
         if self._onlinespec is not None:

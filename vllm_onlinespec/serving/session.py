@@ -37,6 +37,10 @@ def config_from_vllm(vllm_config: Any) -> OnlineSpecConfig:
         raise ConfigError(
             f"onlinespec: vllm_onlinespec.SpecDecodeWorker needs --speculative-config with "
             f"method 'dflash' (got {method!r})")
+    k = compat.num_speculative_tokens(vllm_config)
+    if cfg.oracle.accept_len is not None and cfg.oracle.accept_len > k + 1:
+        raise ConfigError(f"onlinespec.oracle.accept_len: must be <= num_speculative_tokens + 1 "
+                          f"= {k + 1} (got {cfg.oracle.accept_len:g})")
     return cfg
 
 
@@ -65,6 +69,11 @@ class OnlineSession:
         self.policy_drafted = self.policy_verified = 0
         self.head: nn.Module | None = None
         self._draft_hidden: torch.Tensor | None = None
+        self.oracle = None
+        if cfg.oracle.accept_len is not None:
+            from vllm_onlinespec.serving.oracle import OracleVerifier
+
+            self.oracle = OracleVerifier(cfg.oracle.accept_len, self.K, cfg.oracle.seed)
         if cfg.length_head.policy != "fixed":
             compat.wrap_draft_sampler(runner, self._on_draft_hidden)
         if cfg.enabled:
@@ -122,7 +131,7 @@ class OnlineSession:
             save_drafter(directory, dcfg, bundle.drafter, bundle.length_head)
 
         self.learner = OnlineLearner(bundle, self.cfg, loss_fn, make_batch, self.buffer,
-                                     save_model=save_model)
+                                     save_model=save_model, holdback=self.K)
         if self.cfg.checkpoint.dir:
             try:
                 v = self.learner.load_checkpoint()
@@ -173,6 +182,11 @@ class OnlineSession:
                            "from the prior %s and refits from real steps",
                            type(e).__name__, e, cm.describe())
 
+    def force_oracle(self, sampled: Any, logits: Any, metadata: Any) -> None:
+        """Benchmark-only: rewrite the sampler's accepted lengths (serving/oracle.py)."""
+        if self.oracle is not None and metadata is not None:
+            self.oracle.force(sampled, logits, metadata)
+
     def capture(self, runner: Any) -> compat.StepView | None:
         if not self.wants_feedback:
             return None
@@ -206,7 +220,8 @@ class OnlineSession:
                     self.learner.notify()
             if self.learner is not None and self.publisher.publish(self.learner.latest()):
                 self._refresh_head(self.learner.latest()[1])
-            self.metrics.write(self.stats(), self.info())
+            if self.metrics.due():
+                self.metrics.write(self.stats(), self.info())
         except Exception as e:  # noqa: BLE001 - serving must go on
             self._failed(e)
 
@@ -219,7 +234,8 @@ class OnlineSession:
             self.head.load_state_dict(state)
 
     def stats(self) -> dict[str, Any]:
-        out: dict[str, Any] = {"published_version": self.publisher.version,
+        out: dict[str, Any] = {"oracle_accept_len": self.oracle.accept_len if self.oracle else 0.0,
+                               "published_version": self.publisher.version,
                                "publishes": self.publisher.count,
                                "publish_ms_last": self.publisher.last_ms,
                                "publish_ms_total": self.publisher.total_ms,

@@ -41,6 +41,21 @@ class SpecDecodeWorker(_Base):  # type: ignore[misc, valid-type]
         session = getattr(getattr(self, "model_runner", None), "_onlinespec", None)
         return session.stats() if session is not None else {}
 
+    def onlinespec_step_profile(self) -> dict:
+        """Accumulated per-phase worker time (serving/step_profile.py) and per-step means."""
+        runner = getattr(self, "model_runner", None)
+        prof = runner.onlinespec_profile() if hasattr(runner, "onlinespec_profile") else None
+        if prof is None:
+            return {}
+        return {**prof.as_dict(), "per_step_ms": prof.per_step_ms()}
+
+    def onlinespec_defects(self) -> str:
+        """The start-up line of cpu_defects: which vLLM-CPU sampling defects were patched here."""
+        from vllm_onlinespec.serving import cpu_defects
+
+        report = cpu_defects.LAST_REPORT
+        return report.line() if report is not None else "onlinespec: defect probes did not run"
+
     def onlinespec_digest(self) -> str:
         """sha256 of the published draft weights, to check resumes and publishes."""
         session = getattr(getattr(self, "model_runner", None), "_onlinespec", None)

