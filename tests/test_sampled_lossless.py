@@ -25,7 +25,7 @@ pytestmark = pytest.mark.vllm
 K = 4
 GREEDY_PROMPTS = ["What is 2+2?", "Name three colors.", "Write one sentence about the moon."]
 DIST_PROMPT = "Tell me a short story about a dragon."
-N_DRAWS = 600
+N_DRAWS = 400
 MAX_BATCHED = 256  # a prompt over this many tokens is chunk-prefilled
 # p-value floor: the tests are seeded (deterministic); a correct sampler gave p >= 0.05 in every
 # configuration measured, a broken one p < 1e-30.
@@ -79,10 +79,12 @@ def mixed_batch(llm) -> tuple[list, list]:
     from vllm import SamplingParams
 
     greedy = SamplingParams(temperature=0.0, max_tokens=24)
-    sampled = [SamplingParams(temperature=1.0, max_tokens=24, seed=1),
-               SamplingParams(temperature=0.7, top_k=10, max_tokens=24, seed=2),
-               SamplingParams(temperature=1.2, top_p=0.9, max_tokens=24),
-               SamplingParams(temperature=0.9, top_k=50, top_p=0.95, max_tokens=24, seed=3)]
+    # ignore_eos: every sampled row stays in the batch beside the greedy ones to the end.
+    kw = dict(max_tokens=24, ignore_eos=True)
+    sampled = [SamplingParams(temperature=1.0, seed=1, **kw),
+               SamplingParams(temperature=0.7, top_k=10, seed=2, **kw),
+               SamplingParams(temperature=1.2, top_p=0.9, **kw),
+               SamplingParams(temperature=0.9, top_k=50, top_p=0.95, seed=3, **kw)]
     convs = [chat(p) for p in GREEDY_PROMPTS] + [chat(p) for p in GREEDY_PROMPTS[:1] * 4]
     outs = llm.chat(convs, [greedy] * 3 + sampled, use_tqdm=False)
     return outs[:3], outs[3:]
@@ -159,9 +161,9 @@ def test_seeded_requests_reproduce_with_short_and_chunk_prefilled_prompts(llm):
     from vllm import SamplingParams
 
     convs = [chat(DIST_PROMPT), chat(long_prompt()), chat(long_prompt())]
-    params = [SamplingParams(temperature=1.0, max_tokens=16, seed=7),
-              SamplingParams(temperature=1.0, top_p=0.9, max_tokens=16, seed=8),
-              SamplingParams(temperature=0.8, top_k=40, max_tokens=16, seed=9)]
+    params = [SamplingParams(temperature=1.0, max_tokens=16, seed=7, ignore_eos=True),
+              SamplingParams(temperature=1.0, top_p=0.9, max_tokens=16, seed=8, ignore_eos=True),
+              SamplingParams(temperature=0.8, top_k=40, max_tokens=16, seed=9, ignore_eos=True)]
     first = llm.chat(convs, params, use_tqdm=False)
     assert len(first[1].prompt_token_ids) > MAX_BATCHED, "the long prompt was not chunked"
     second = llm.chat(convs, params, use_tqdm=False)

