@@ -79,15 +79,20 @@ class Row:
 
 
 def arms_for(ks: list[int], drafter: str) -> list[ArmConf]:
-    out = [ArmConf("nospec", "none"), ArmConf("nospec+iomp", "none", iomp="on")]
+    """Per K: ngram, frozen, oracle; at the first K also the cost comparisons (vLLM's own DFlash
+    worker, no Intel OpenMP, learning on with and without re-packing)."""
     frozen = {"enabled": False, "length_head": {"policy": "fixed"}}
-    for k in ks:
-        out += [ArmConf(f"ngram", "ngram", k, iomp="on"),
-                ArmConf(f"dflash-vllm", "dflash-vllm", k, iomp="on"),
-                ArmConf(f"frozen", "ours", k, online=frozen),
-                ArmConf(f"frozen-no-iomp", "ours", k, iomp="off", online=frozen),
-                ArmConf(f"online", "ours", k, online={"length_head": {"policy": "fixed"}}),
-                ArmConf(f"oracle", "ours", k, online=frozen, oracle=float(k + 1))]
+    online = {"length_head": {"policy": "fixed"}}
+    out = [ArmConf("nospec", "none"), ArmConf("nospec+iomp", "none", iomp="on")]
+    for i, k in enumerate(ks):
+        out += [ArmConf("ngram", "ngram", k, iomp="on"), ArmConf("frozen", "ours", k, online=frozen),
+                ArmConf("oracle", "ours", k, online=frozen, oracle=float(k + 1))]
+        if i == 0:
+            out += [ArmConf("dflash-vllm", "dflash-vllm", k, iomp="on"),
+                    ArmConf("frozen-no-iomp", "ours", k, iomp="off", online=frozen),
+                    ArmConf("online", "ours", k, online=online),
+                    ArmConf("online-repack", "ours", k,
+                            online={**online, "publish": {"repack": True}})]
     return out
 
 

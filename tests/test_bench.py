@@ -112,3 +112,17 @@ def test_results_roundtrip_and_report(tmp_path):
     assert json.loads(paths["json"].read_text())["summary"][2]["late"] == pytest.approx(1.55)
     for k in ("acceptance", "acceptance_requests", "throughput"):
         assert paths[k].stat().st_size > 1000
+
+
+def test_serving_recipe_defaults_to_bfloat16_in_help():
+    """bench, bench-serve and the arms default to bf16 (the serving recipe); float32 is a flag."""
+    from vllm_onlinespec.bench.results import ArmSpec
+    from vllm_onlinespec.cli import build_parser
+
+    p = build_parser()
+    for verb in ("bench", "bench-serve"):
+        sub = p._subparsers._group_actions[0].choices[verb]
+        dtype = next(a for a in sub._actions if a.dest == "dtype")
+        assert dtype.default == "bfloat16" and "float32" in dtype.choices, verb
+        assert "bfloat16 (default" in sub.format_help().replace("\n", " ").replace("  ", " "), verb
+    assert ArmSpec.__dataclass_fields__["dtype"].default == "bfloat16"

@@ -70,6 +70,14 @@ class PublishConfig(_Section):
         "not keep; what tolerating costs is measured by benchmarks/stale_kv.py")
 
 
+    repack: bool = Field(
+        False, description="CPU only: after each publish, pack the drafter's Linear weights "
+        "for vLLM's CPU GEMM kernels again (oneDNN / SGL), keeping plain copies for the next "
+        "publish; faster drafter forwards at larger batches, paid for at every publish "
+        "(benchmarks/step_cost.py measures both). False = the drafter runs torch's plain "
+        "linear while learning")
+
+
 class CheckpointConfig(_Section):
     dir: str | None = Field(
         None, description="directory for atomic learner checkpoints (None = no checkpoints)")

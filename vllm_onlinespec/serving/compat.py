@@ -309,6 +309,20 @@ def target_embed_and_head(runner: Any) -> tuple[torch.Tensor, torch.Tensor]:
     return embed, head_w
 
 
+def repack_drafter_linears(runner: Any) -> int:
+    """Pack the drafter's (plain, republishable) Linear weights for vLLM's CPU GEMM path again,
+    keeping the plain weights for the next publish. Returns the number of layers packed."""
+    from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
+
+    model = drafter_module(runner)
+    n = 0
+    for layer in model.modules() if model is not None else ():
+        if getattr(layer, "_cpu_skip_gemm_dispatch", False) and hasattr(layer, "cpu_linear"):
+            dispatch_cpu_unquantized_gemm(layer, remove_weight=False)
+            n += 1
+    return n
+
+
 def load_draft_weights(runner: Any, named: Iterable[tuple[str, torch.Tensor]]) -> None:
     """Write checkpoint-named tensors into vLLM's drafter in place. Its load_weights maps names,
     fills the stacked qkv/gate_up parameters and rebuilds the fused context-KV buffers that

@@ -17,8 +17,11 @@ DRAFTER_PREFIX = "drafter."
 class Publisher:
     """Tracks which learner version vLLM's drafter holds; swaps in newer ones."""
 
-    def __init__(self, runner: Any) -> None:
+    def __init__(self, runner: Any, repack: bool = False) -> None:
         self.runner = runner
+        self.repack = repack and compat.is_cpu()
+        if self.repack:
+            compat.repack_drafter_linears(runner)
         self.version = 0
         self.count = 0
         self.last_ms = float("nan")
@@ -32,6 +35,8 @@ class Publisher:
                  if k.startswith(DRAFTER_PREFIX)]
         t0 = time.perf_counter()
         compat.load_draft_weights(self.runner, named)
+        if self.repack:
+            compat.repack_drafter_linears(self.runner)
         self.last_ms = (time.perf_counter() - t0) * 1e3
         self.total_ms += self.last_ms
         self.count += 1

@@ -28,12 +28,16 @@ class OnlineSpecRunnerMixin:
     _onlinespec_t0: float | None = None
 
     def load_model(self, *args, **kwargs):
-        self._onlinespec_profile = StepProfile()
-        compat.wrap_drafter_load(self)
-        out = super().load_model(*args, **kwargs)
-        from vllm_onlinespec.serving.session import OnlineSession
+        from vllm_onlinespec.serving.session import OnlineSession, config_from_vllm
 
-        self._onlinespec = OnlineSession.start(self)
+        self._onlinespec_profile = StepProfile()
+        cfg = config_from_vllm(self.vllm_config)
+        if cfg.enabled:
+            # Only a learning drafter is republished: keep its Linear weights plain (vLLM
+            # packs them for oneDNN and drops the originals). A frozen one stays packed.
+            compat.wrap_drafter_load(self)
+        out = super().load_model(*args, **kwargs)
+        self._onlinespec = OnlineSession(self, cfg)
         return out
 
     def execute_model(self, scheduler_output, *args, **kwargs):

@@ -61,7 +61,7 @@ class OnlineSession:
         self.steps = 0
         self.learner = None
         self.buffer = None
-        self.publisher = Publisher(runner)
+        self.publisher = Publisher(runner, repack=cfg.publish.repack and cfg.enabled)
         self.tracer = DraftTracer.maybe(cfg, runner)
         self.metrics = MetricsWriter()
         self.policy = make_policy(cfg.length_head, StepCostModel())
