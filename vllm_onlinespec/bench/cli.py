@@ -19,7 +19,7 @@ from pathlib import Path
 
 from vllm_onlinespec.bench import prompts as P
 
-def recipe_flags(recipe: str = "smollm2-small") -> dict:
+def recipe_flags(recipe: str = "smollm2-default") -> dict:
     """A `vllm-onlinespec train` recipe as {flag: value}, without its prompt sources (the
     default recipe turns on HumanEval, which a domain-shift run must be able to leave out)."""
     from vllm_onlinespec.training.cli import RECIPES
