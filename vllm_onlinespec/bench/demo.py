@@ -93,7 +93,7 @@ def verdict(results) -> list[str]:
         lines.append(f"verdict: the drafter LEARNED the new domain while serving it: +{gain:.3f} "
                      f"accepted tokens per verify step over the same start weights frozen, "
                      f"on prompts it had never seen (drafter version "
-                     f"{on.learner.get('published_version', 0)})")
+                     f"{on.stats.published_version})")
     else:
         lines.append(f"verdict: NO measurable learning in this budget (gain {gain:+.3f} < "
                      f"{MIN_GAIN}); a longer stream (the full demo, or `vllm-onlinespec bench`) "
