@@ -377,7 +377,8 @@ class OnlineLearner:
                 raise ckpt.CheckpointError(
                     f"{path}: another architecture ({n} has shape "
                     f"{list(c.model_state[n].shape)}, this model {list(p.shape)})")
-        theirs = (c.extra.get("config") or {}).get("algorithm")
+        saved = c.extra.get("config") or {}
+        theirs = (saved.get("update") or {}).get("algorithm", saved.get("algorithm"))
         if theirs is not None and theirs != self.cfg.algorithm:
             raise ckpt.CheckpointError(f"{path}: written by algorithm {theirs!r}, this learner "
                                        f"runs {self.cfg.algorithm!r}")
