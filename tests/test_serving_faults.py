@@ -12,12 +12,26 @@ import shutil
 import pytest
 import torch
 
-from test_worker_parity import K, assert_drafter_matches_twin, assert_greedy_equal, make_drafter
+from test_worker_parity import K, assert_drafter_matches_twin, make_drafter
 
 pytestmark = pytest.mark.vllm
 
-PROMPTS = ["What is 2+2?", "Name three colors.", "Write one sentence about the moon."]
-MAX_TOKENS = 16
+PROMPTS = ["What is 2+2?", "Write one sentence about the moon."]
+MAX_TOKENS = 12
+_REFERENCE: dict[tuple, list[int]] = {}
+
+
+def assert_greedy_equal(outs, hf_target, max_tokens):
+    """Token for token the HF target's greedy continuation (cached: the same prompts recur)."""
+    for out in outs:
+        key = (tuple(out.prompt_token_ids), max_tokens)
+        if key not in _REFERENCE:
+            ids = torch.tensor([list(out.prompt_token_ids)])
+            with torch.no_grad():
+                ref = hf_target.generate(ids, attention_mask=torch.ones_like(ids),
+                                         max_new_tokens=max_tokens, do_sample=False)
+            _REFERENCE[key] = ref[0, ids.shape[1]:].tolist()
+        assert list(out.outputs[0].token_ids) == _REFERENCE[key]
 
 
 @pytest.fixture(scope="module")
@@ -154,10 +168,11 @@ def test_vllm_drafter_matches_the_twin_after_a_publish(engine, hf_target, smollm
         s.learner._publish(s.learner.version + 1)
         return s.learner.version
 
+    errors_before = stats(llm).hook_errors
     v = llm.collective_rpc(set_learner_weights)[0]
     generate(llm, ["Say hi."], 2)  # one step: the publish lands at its end
     st = stats(llm)
-    assert st.published_version == v and st.hook_errors == 0, st
+    assert st.published_version == v and st.hook_errors == errors_before, st
     from vllm_onlinespec.drafter import load_drafter
 
     _, twin, _ = load_drafter(new_dir, dtype=torch.float32)
@@ -167,6 +182,6 @@ def test_vllm_drafter_matches_the_twin_after_a_publish(engine, hf_target, smollm
     shutil.rmtree(engine["trace"])
     engine["trace"].mkdir()
     # Prompts never served before: no prefix-cached draft KV from the old weights.
-    outs = generate(llm, ["Tell me about rivers.", "What is a prime number?"], 24)
-    assert_greedy_equal(outs, hf_target, 24)
+    outs = generate(llm, ["Tell me about rivers.", "What is a prime number?"], 20)
+    assert_greedy_equal(outs, hf_target, 20)
     assert_drafter_matches_twin(outs, engine["trace"], new_dir, hf_target)
