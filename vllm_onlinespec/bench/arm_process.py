@@ -1,6 +1,6 @@
 """One benchmark arm: one vLLM engine serving one prompt stream, wave after wave.
 
-    python -m vllm_onlinespec.bench.arm SPEC.json
+    python -m vllm_onlinespec.bench.arm_process SPEC.json
 
 Stream protocol: the prompts are served in file order, `wave` at a time (one batched
 `llm.chat` call per wave); every prompt is served exactly once. A wave's acceptance is measured
@@ -144,7 +144,7 @@ def run(spec: ArmSpec) -> ArmResult:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if len(argv) != 1:
-        print("usage: python -m vllm_onlinespec.bench.arm SPEC.json", file=sys.stderr)
+        print("usage: python -m vllm_onlinespec.bench.arm_process SPEC.json", file=sys.stderr)
         return 2
     with open(argv[0], encoding="utf-8") as f:
         spec = ArmSpec(**json.load(f))
