@@ -352,3 +352,22 @@ def test_missing_hidden_states_are_a_counted_skip():
     c = cutter(head=ConstHead(0.5), head_trusted=True, on_skip=skips.append)
     assert _cut(c, hidden=False) == [[1, 2, 3, 4]] * 2
     assert skips == [G.NO_DRAFT_HIDDEN]
+
+
+def test_wrap_draft_sampler_says_when_it_found_nothing():
+    from vllm_onlinespec.serving import compat
+
+    assert compat.wrap_draft_sampler(SimpleNamespace(drafter=None), lambda h: None) is False
+    seen = []
+    drafter = SimpleNamespace(_sample_draft_tokens=lambda h, m: ("sampled", h))
+    assert compat.wrap_draft_sampler(SimpleNamespace(drafter=drafter), seen.append) is True
+    assert drafter._sample_draft_tokens("H", None) == ("sampled", "H") and seen == ["H"]
+
+
+def test_observe_draft_hidden_never_raises_into_vllms_drafter():
+    from vllm_onlinespec.serving.session import OnlineSession
+
+    s = bare_session()
+    s.cutter = SimpleNamespace(observe_hidden=_boom)
+    OnlineSession.observe_draft_hidden(s, torch.zeros(1))
+    assert s.guard.errors == {G.DRAFT_HIDDEN: 1}

@@ -30,7 +30,7 @@ from vllm_onlinespec.serving.feedback import records_from_step
 from vllm_onlinespec.serving.guard import HookGuard
 from vllm_onlinespec.serving.metrics import MetricsWriter
 from vllm_onlinespec.serving.publish import Publisher
-from vllm_onlinespec.serving.stats import BufferStats, LearnerStats, OnlineSpecStats
+from vllm_onlinespec.serving.stats import BufferStats, CutterStats, LearnerStats, OnlineSpecStats
 from vllm_onlinespec.serving.trace import DraftTracer
 from vllm_onlinespec.serving.validate import config_from_vllm
 
@@ -234,8 +234,6 @@ class OnlineSession:
     # -- reading ----------------------------------------------------------------------------------
     def stats(self) -> OnlineSpecStats:
         c, cm = self.cutter, self.cutter.cost_model
-        from vllm_onlinespec.serving.stats import CutterStats
-
         out = OnlineSpecStats(
             steps=self.steps, published_version=self.publisher.version,
             publishes=self.publisher.count, publish_ms_last=self.publisher.last_ms,
