@@ -168,7 +168,8 @@ def test_unusable_checkpoint_means_one_warning_and_a_fresh_start(tmp_path, case,
     before = state_of(lr)
     with caplog.at_level(logging.WARNING):
         r = resume_or_fresh(lr, tmp_path / "ck")
-    warnings = [x for x in caplog.records if x.levelno >= logging.WARNING]
+    # One record (a handler may see it twice when vLLM's handlers also reach caplog's).
+    warnings = list({id(x): x for x in caplog.records if x.levelno >= logging.WARNING}.values())
     assert len(warnings) == 1 and "starting fresh" in warnings[0].getMessage(), \
         [w.getMessage() for w in warnings]
     assert r.path is None and r.version == 0 and len(r.skipped) == 1
