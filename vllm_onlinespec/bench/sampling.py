@@ -59,7 +59,7 @@ def filtered_probs(logits: torch.Tensor, spec: SamplingParamsSpec) -> torch.Tens
     srt, idx = x.sort(descending=False)
     V = srt.shape[-1]
     if spec.top_k and spec.top_k < V:
-        kth = srt[..., V - spec.top_k]
+        kth = srt[..., V - spec.top_k:V - spec.top_k + 1]  # keep the dim: rows broadcast
         srt = srt.masked_fill(srt < kth, float("-inf"))
     if spec.top_p < 1:
         p = srt.softmax(-1)
