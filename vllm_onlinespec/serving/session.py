@@ -255,7 +255,9 @@ class OnlineSession:
         checkpoint names (compare with `state_digest` of a checkpoint's `drafter.*` tensors)."""
         from vllm_onlinespec.learner.checkpoint import state_digest
 
-        if compat.drafter_module(self.runner) is None:
+        # Only a learning engine's drafter is republished (and so kept in plain, readable
+        # weights); without a learner there is nothing a publish could have got wrong.
+        if self.learner is None or compat.drafter_module(self.runner) is None:
             return ""
         return state_digest(compat.read_draft_weights(self.runner))
 
