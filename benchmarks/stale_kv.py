@@ -100,7 +100,7 @@ def main() -> None:
     _, learned, _ = load_drafter(drafter_folder(Path(args.learned)), dtype=torch.float32)
     examples = extract_features(target, samples, list(dcfg.target_layer_ids), dtype=torch.float32)
     embed_w = target.get_input_embeddings().weight.detach().float()
-    head_w = target.get_output_embeddings().weight.detach().float()
+    lm_head_w = target.get_output_embeddings().weight.detach().float()
     cfg = TrainConfig(eval_anchors=32)
 
     def spliced(stale_rows):
@@ -118,11 +118,11 @@ def main() -> None:
     all_rows = lambda b, t: torch.ones(b["ids"].shape[0], t, dtype=torch.bool)  # noqa: E731
     with torch.no_grad():
         rows = {
-            "older weights": evaluate(start, None, examples, embed_w, head_w, cfg),
-            "newer, fresh K/V": evaluate(learned, None, examples, embed_w, head_w, cfg),
-            "newer, prompt K/V by older": evaluate(learned, None, examples, embed_w, head_w, cfg,
+            "older weights": evaluate(start, None, examples, embed_w, lm_head_w, cfg),
+            "newer, fresh K/V": evaluate(learned, None, examples, embed_w, lm_head_w, cfg),
+            "newer, prompt K/V by older": evaluate(learned, None, examples, embed_w, lm_head_w, cfg,
                                                    spliced(prompt_rows)),
-            "newer, all K/V by older": evaluate(learned, None, examples, embed_w, head_w, cfg,
+            "newer, all K/V by older": evaluate(learned, None, examples, embed_w, lm_head_w, cfg,
                                                 spliced(all_rows)),
         }
     print(f"{len(examples)} unseen {args.category} prompts, {rows['older weights']['blocks']} "

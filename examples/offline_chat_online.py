@@ -44,6 +44,7 @@ def main() -> None:
 
     from vllm_onlinespec.engine import engine_kwargs
     from vllm_onlinespec.models import pull
+    from vllm_onlinespec.serving.stats import fetch
 
     target = str(pull("smollm2-135m"))
     drafter = args.drafter or default_drafter()
@@ -61,24 +62,24 @@ def main() -> None:
                         use_tqdm=False)
         dt = time.perf_counter() - t0
         a1, d1 = spec_counters(llm)
-        st = llm.collective_rpc("onlinespec_stats")[0]
+        st = fetch(llm)
         n = sum(len(o.outputs[0].token_ids) for o in outs)
         al = (a1 - a0 + d1 - d0) / (d1 - d0) if d1 > d0 else 1.0
-        print(f"round {i}: {n} tokens in {dt:.1f} s, acceptance length {al:.2f}, "
-              f"drafter version {st['published_version']}, learner updates "
-              f"{st['learner/updates']}")
+        print(f"round {i}: {n} tokens in {dt:.1f} s, acceptance length {al:.2f} "
+              f"({d1 - d0:.0f} verify steps with drafts, K = {k}), drafter version {st.published_version}, learner updates "
+              f"{st.learner.updates}")
         for q, o in zip(prompts, outs):
             print(f"  >>> {q}\n  {o.outputs[0].text.strip()[:200]!r}")
     # The learner trains on the last round's feedback after it was served; give it a moment.
     deadline = time.time() + 30
     while time.time() < deadline:
-        st = llm.collective_rpc("onlinespec_stats")[0]
-        if st["learner/caught_up"]:  # too little fresh feedback left for another update
+        st = fetch(llm)
+        if st.learner.caught_up:  # too little fresh feedback left for another update
             break
         time.sleep(0.5)
-    print(f"final: drafter version {st['published_version']}, learner updates "
-          f"{st['learner/updates']}, last loss {st['learner/last_loss']:.3f}, "
-          f"hook errors {st['hook_errors']}")
+    print(f"final: drafter version {st.published_version}, learner updates "
+          f"{st.learner.updates}, last loss {st.learner.last_loss:.3f}, "
+          f"hook errors {st.hook_errors}")
     llm.llm_engine.engine_core.shutdown()
 
 

@@ -5,7 +5,7 @@ import json
 import pytest
 
 from vllm_onlinespec.bench import prompts as P
-from vllm_onlinespec.bench.arms import DEFAULT_ONLINE, clear_own_checkpoints, known_arm, make_arm
+from vllm_onlinespec.bench.arm_catalog import DEFAULT_ONLINE, clear_own_checkpoints, known_arm, make_arm
 from vllm_onlinespec.bench.cli import train_flags
 from vllm_onlinespec.bench.report import summarize, write_report
 from vllm_onlinespec.bench.results import ArmResult, RequestResult, WaveResult

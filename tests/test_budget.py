@@ -9,7 +9,7 @@ import time
 import numpy as np
 import pytest
 
-from vllm_onlinespec.budget import StepCostModel, allocate, plan
+from vllm_onlinespec.policy.budget import StepCostModel, allocate, plan
 
 
 # -- cost model -----------------------------------------------------------------------------------
@@ -240,10 +240,10 @@ def test_startup_probe_times_target_steps_and_feeds_the_cost_model():
     assert all(t > 0.0019 for _, t in samples)
 
     cm = StepCostModel(a=0.5, b=0.1)  # a prior far off the timings
-    session = SimpleNamespace(policy=SimpleNamespace(cost_model=cm))
+    session = SimpleNamespace(cutter=SimpleNamespace(cost_model=cm))
     OnlineSession.probe_step_cost(session, runner)
     assert cm.n_samples > 0 and cm.a < 0.1 and cm.b < 0.01
     broken = SimpleNamespace(drafter=None, _dummy_run=lambda n: 1 / 0)
     cm2 = StepCostModel(a=0.5, b=0.1)
-    OnlineSession.probe_step_cost(SimpleNamespace(policy=SimpleNamespace(cost_model=cm2)), broken)
+    OnlineSession.probe_step_cost(SimpleNamespace(cutter=SimpleNamespace(cost_model=cm2)), broken)
     assert cm2.n_samples == 0  # a failed probe leaves the prior, and serving starts anyway

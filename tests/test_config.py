@@ -93,3 +93,31 @@ def test_bad_inputs(bad):
     with pytest.raises(ConfigError) as ei:
         OnlineSpecConfig.from_any(bad)
     assert str(ei.value).startswith("onlinespec")
+
+
+def test_update_rule_and_pacing_sections_accept_the_old_flat_keys():
+    old = OnlineSpecConfig.from_any({"algorithm": "ensemble", "lr": 3e-4, "eps": 1e-6,
+                                     "hedge_eps": 0.3, "ensemble_lrs": [1e-4, 1e-3],
+                                     "learner_cpu_share": 0.25, "learner_cores": "inherit"})
+    new = OnlineSpecConfig.from_any({
+        "update": {"algorithm": "ensemble", "lr": 3e-4, "adam_eps": 1e-6, "hedge_lr": 0.3,
+                   "ensemble_lrs": [1e-4, 1e-3]},
+        "pacing": {"learner_cpu_share": 0.25, "learner_cores": "inherit"}})
+    assert old == new
+    # the old names still read (the learner and the algorithms use them)
+    assert (new.algorithm, new.lr, new.eps, new.hedge_eps, new.learner_cpu_share) == (
+        "ensemble", 3e-4, 1e-6, 0.3, 0.25)
+    assert OnlineSpecConfig.from_any(new.to_json()) == new
+    assert OnlineSpecConfig(lr=0.5).update.lr == 0.5  # direct construction too
+
+
+def test_old_and_new_spelling_of_one_key_is_refused_and_errors_name_what_was_written():
+    with pytest.raises(ConfigError) as e:
+        OnlineSpecConfig.from_any({"lr": 1e-3, "update": {"lr": 1e-4}})
+    assert str(e.value) == "onlinespec.lr: also given as onlinespec.update.lr; use one"
+    with pytest.raises(ConfigError) as e:
+        OnlineSpecConfig.from_any({"update": {"lr": -1}})
+    assert str(e.value) == "onlinespec.update.lr: must be > 0 (got -1)"
+    with pytest.raises(ConfigError) as e:
+        OnlineSpecConfig.from_any({"hedge_eps": 0})
+    assert str(e.value) == "onlinespec.hedge_eps: must be > 0 (got 0)"

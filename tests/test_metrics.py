@@ -20,8 +20,10 @@ def test_collector_skips_workers_that_are_gone(tmp_path, monkeypatch):
     dead.wait()
     (tmp_path / f"worker-{dead.pid}.json").write_text(json.dumps(
         {"stats": {"published_version": 0}, "info": {}}))
-    MetricsWriter().write({"published_version": 7, "learner/updates": 3}, {"algorithm": "ogd"},
-                          force=True)
+    from vllm_onlinespec.serving.stats import LearnerStats, OnlineSpecStats
+
+    MetricsWriter().write(OnlineSpecStats(published_version=7, learner=LearnerStats(updates=3)),
+                          {"algorithm": "ogd"}, force=True)
     fams = {f.name: f for f in OnlineSpecCollector().collect()}
     version = [(s.labels["worker"], s.value) for s in fams["onlinespec:drafter_version"].samples]
     assert version == [(str(os.getpid()), 7.0)]

@@ -52,18 +52,18 @@ def test_engine_args_hook_sets_ld_preload_for_our_speculative_engines(monkeypatc
     set before vLLM's CPU platform would preload libgomp, logged once."""
     from vllm.engine.arg_utils import EngineArgs
 
-    from vllm_onlinespec.serving import compat
+    from vllm_onlinespec.serving.compat import patches, vllm_config
 
     if not openmp.is_x86() or openmp.find_libiomp() is None:
         pytest.skip("needs x86 and the venv's libiomp5.so")
     monkeypatch.setenv("LD_PRELOAD", "")
-    monkeypatch.setattr(compat, "_iomp_logged", False)
-    assert not compat._ours_requested(EngineArgs(model="x"))
+    monkeypatch.setattr(patches, "_iomp_logged", False)
+    assert not vllm_config.ours_requested(EngineArgs(model="x"))
     args = EngineArgs(model="x", additional_config={"onlinespec": {}})
-    assert compat._ours_requested(args)
+    assert vllm_config.ours_requested(args)
     with caplog.at_level(logging.INFO, logger="vllm_onlinespec"):
-        compat._preload_intel_openmp()
-        compat._preload_intel_openmp()
+        patches.preload_intel_openmp()
+        patches.preload_intel_openmp()
     assert os.environ["LD_PRELOAD"].count("libiomp5.so") == 1
     # One record (a handler may see it twice when vLLM's handlers also reach caplog's).
     lines = list({id(r): r.getMessage() for r in caplog.records

@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 import torch
 
-from vllm_onlinespec.budget import StepCostModel
+from vllm_onlinespec.policy.budget import StepCostModel
 from vllm_onlinespec.config import OnlineSpecConfig
-from vllm_onlinespec.verify_length import (
+from vllm_onlinespec.policy.verify_length import (
     AcceptanceStats, AdaFlashPolicy, BudgetPolicy, FixedPolicy, adaflash_lengths, make_policy,
     position_acceptance)
 

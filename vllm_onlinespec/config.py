@@ -64,7 +64,8 @@ class PublishConfig(_Section):
         "successful learner updates (>= 1)")
     kv_policy: Literal["tolerate"] = Field(
         "tolerate", description="draft KV already cached for requests in flight when weights "
-        "change: 'tolerate' keeps it (output stays lossless; those requests draft against "
+        "change. Only 'tolerate' exists, so nothing reads this field yet (it names the "
+        "behaviour and reserves the key): 'tolerate' keeps it (output stays lossless; those requests draft against "
         "context K/V of older weights until they finish). The only policy so far: re-projecting "
         "a running request's cache needs every past position's target features, which vLLM does "
         "not keep; what tolerating costs is measured by benchmarks/stale_kv.py")
@@ -98,8 +99,9 @@ class LossConfig(_Section):
         7.0, gt=0.0, description="decay of the per-position weight inside a block, "
         "w_k = exp(-(k-1)/gamma), in block positions (> 0)")
     clip: float | None = Field(
-        None, gt=0.0, description="clip each token's loss at this value, in nats (> 0; None = "
-        "no clip); bounds the pull of a single surprising token")
+        None, gt=0.0, description="clip each token's divergence term (T^2 * KL, the 1 - alpha "
+        "part) at this value, in nats (> 0; None = no clip); the cross-entropy term is never "
+        "clipped. Bounds the pull of a single surprising token's distribution")
     mode: Literal["reverse_kl", "forward_kl", "ce"] = Field(
         "reverse_kl", description="distillation divergence: 'reverse_kl' KL(draft||target), "
         "'forward_kl' KL(target||draft), 'ce' cross-entropy to the target's argmax only")
@@ -112,13 +114,16 @@ class LengthHeadConfig(_Section):
         "stops paying, 'budget' shares a per-step verify-token budget across requests")
     rho: float = Field(
         1.0, gt=0.0, description="verify-length scale (> 0, dimensionless): 'adaflash' verifies "
-        "clamp(round(r * K * rho), k_min, K) tokens where r is the head's predicted accepted "
-        "fraction; 'budget' divides the measured cost of a verified token by rho. > 1 verifies "
+        "clamp(round(r * K * rho), k_min, K) tokens where r is the head's predicted tokens per "
+        "verify step as a fraction of the block, (accepted + 1) / (K + 1); 'budget' divides the measured cost of a verified token by rho. > 1 verifies "
         "more, < 1 less")
     k_min: int = Field(
         1, ge=1, description="never cut a draft below this many tokens (>= 1)")
     train: bool = Field(
-        True, description="train the length head online from accept/reject feedback")
+        True, description="train the length head online from accept/reject feedback (only "
+        "when learning is on and the policy consults a head, i.e. not 'fixed'); false keeps a "
+        "head shipped with the drafter frozen. A head created fresh for training is consulted "
+        "only after the learner has published 50 versions (policy/cutter.py)")
 
 
 ORACLE_ENV = "VLLM_ONLINESPEC_BENCHMARK_ORACLE"
@@ -137,14 +142,9 @@ class OracleConfig(_Section):
     seed: int = Field(0, ge=0, description="seed of the oracle's acceptance draws (>= 0)")
 
 
-class OnlineSpecConfig(_Section):
-    """Root configuration of online speculative decoding (`--onlinespec-config` JSON)."""
+class UpdateConfig(_Section):
+    """The online update rule (old flat keys at the root are still accepted)."""
 
-    enabled: bool = Field(True, description="learn online while serving (False = frozen drafter)")
-    drafter: str | None = Field(
-        None, description="path of the DFlash drafter checkpoint to start from (HF folder)")
-
-    # -- update rule ------------------------------------------------------------------------
     algorithm: Algorithm = Field(
         "ogd", description="online update rule: 'ogd' (AdamW with persistent state), "
         "'optimistic' (optimistic OGD, hint 2g_t - g_{t-1}, RMS-preconditioned), "
@@ -155,23 +155,88 @@ class OnlineSpecConfig(_Section):
         0.0, ge=0.0, description="decoupled weight decay per update, relative to lr (>= 0)")
     betas: tuple[Beta, Beta] = Field(
         (0.9, 0.999), description="Adam moment decays (beta1, beta2), each in [0, 1)")
-    eps: float = Field(1e-8, gt=0.0, description="Adam denominator epsilon (> 0)")
+    adam_eps: float = Field(1e-8, gt=0.0, description="Adam denominator epsilon (> 0; old key: eps)")
     grad_clip: float | None = Field(
         1.0, gt=0.0, description="clip the global gradient L2 norm to this value (> 0; None = "
         "no clip)")
     ensemble_lrs: list[Annotated[float, Field(gt=0.0)]] = Field(
         [3e-5, 1e-4, 3e-4], min_length=1, description="learning rates of the Hedge ensemble "
         "members, one learner each (each > 0; algorithm 'ensemble' needs >= 2)")
-    hedge_eps: float = Field(
-        0.1, gt=0.0, description="Hedge learning rate eta, per unit of loss (> 0): each update "
-        "multiplies member i's weight by exp(-hedge_eps * loss_i) (without share: "
-        "p_i ~ exp(-hedge_eps * L_i), L_i the cumulative loss)")
+    hedge_lr: float = Field(
+        0.1, gt=0.0, description="Hedge learning rate eta, per unit of loss (> 0; old key: "
+        "hedge_eps): each update multiplies member i's weight by exp(-hedge_lr * loss_i) "
+        "(without share: p_i ~ exp(-hedge_lr * L_i), L_i the cumulative loss)")
     hedge_share: float = Field(
         0.01, ge=0.0, lt=1.0, description="Hedge fixed share (Herbster & Warmuth), in [0, 1): "
         "after each update this fraction of the total weight is spread evenly over the members, "
         "so no weight falls below hedge_share / N and the ensemble can move to a member that "
         "becomes the best after the traffic drifts (0 = plain Hedge, whose weights cannot "
         "recover once collapsed)")
+
+    @model_validator(mode="after")
+    def _ensemble_needs_members(self) -> "UpdateConfig":
+        if self.algorithm == "ensemble" and len(self.ensemble_lrs) < 2:
+            raise ValueError(
+                f"algorithm 'ensemble' needs >= 2 ensemble_lrs (got {len(self.ensemble_lrs)})")
+        return self
+
+
+class PacingConfig(_Section):
+    """How hard the learner thread may run beside serving (old flat keys still accepted)."""
+
+    update_interval_s: float = Field(
+        0.0, ge=0.0, description="minimum seconds between the starts of two updates (>= 0)")
+    max_updates_per_s: float | None = Field(
+        None, gt=0.0, description="cap on updates per second (> 0; None = no cap)")
+    learner_threads: int = Field(
+        1, ge=1, description="torch intra-op threads of the learner thread (>= 1). No effect "
+        "under vLLM's CPU worker, which replaces torch.set_num_threads with a no-op and sets "
+        "OMP_NUM_THREADS itself; there the learner is bounded by learner_cores and "
+        "learner_cpu_share. On other workers: on a 2-core box keep it at 1")
+    learner_cores: Literal["auto", "inherit"] | list[Annotated[int, Field(ge=0)]] = Field(
+        "auto", description="CPU cores of the learner thread: 'auto' = the online cores outside "
+        "the serving worker's affinity (vLLM's CPU worker leaves VLLM_CPU_NUM_OF_RESERVED_CPU "
+        "cores, default 1, to its front end), else unchanged; 'inherit' = share the worker's "
+        "cores; or a list of core ids")
+    learner_cpu_share: float = Field(
+        0.5, gt=0.0, le=1.0, description="fraction of wall time the learner may be busy, in "
+        "(0, 1]; enforced by sleeping after each update in proportion to its duration")
+
+
+# Old flat keys of the root -> (section, key) they moved to. Still accepted; error messages
+# name the key as the user wrote it.
+MOVED = {**{k: ("update", k) for k in ("algorithm", "lr", "weight_decay", "betas", "grad_clip",
+                                        "ensemble_lrs", "hedge_share")},
+         "eps": ("update", "adam_eps"), "hedge_eps": ("update", "hedge_lr"),
+         **{k: ("pacing", k) for k in ("update_interval_s", "max_updates_per_s", "learner_threads",
+                                        "learner_cores", "learner_cpu_share")}}
+
+
+def _move_old_keys(data: Any) -> tuple[Any, dict[tuple, tuple]]:
+    """(data with old flat keys moved into their sections, {new loc: old loc})."""
+    if not isinstance(data, dict) or not any(k in data for k in MOVED):
+        return data, {}
+    data, renames = dict(data), {}
+    for old, (section, new) in MOVED.items():
+        if old not in data:
+            continue
+        sec = data.get(section, {})
+        sec = dict(sec) if isinstance(sec, dict) else sec
+        if isinstance(sec, dict):
+            if new in sec:
+                raise ConfigError(f"{ROOT}.{old}: also given as {ROOT}.{section}.{new}; use one")
+            sec[new] = data.pop(old)
+            data[section] = sec
+            renames[(section, new)] = (old,)
+    return data, renames
+
+
+class OnlineSpecConfig(_Section):
+    """Root configuration of online speculative decoding (`--onlinespec-config` JSON)."""
+
+    enabled: bool = Field(True, description="learn online while serving (False = frozen drafter)")
+    drafter: str | None = Field(
+        None, description="path of the DFlash drafter checkpoint to start from (HF folder)")
 
     # -- what one update sees ---------------------------------------------------------------
     batch_blocks: int = Field(
@@ -183,27 +248,12 @@ class OnlineSpecConfig(_Section):
         16, ge=1, description="wait until the buffer holds at least this many fresh (untrained) "
         "tokens before an update (>= 1)")
 
-    # -- how hard the learner may run -------------------------------------------------------
-    update_interval_s: float = Field(
-        0.0, ge=0.0, description="minimum seconds between the starts of two updates (>= 0)")
-    max_updates_per_s: float | None = Field(
-        None, gt=0.0, description="cap on updates per second (> 0; None = no cap)")
-    learner_threads: int = Field(
-        1, ge=1, description="torch intra-op threads of the learner thread (>= 1); on a 2-core "
-        "box the learner competes with serving, keep it at 1")
-    learner_cores: Literal["auto", "inherit"] | list[Annotated[int, Field(ge=0)]] = Field(
-        "auto", description="CPU cores of the learner thread: 'auto' = the online cores outside "
-        "the serving worker's affinity (vLLM's CPU worker leaves VLLM_CPU_NUM_OF_RESERVED_CPU "
-        "cores, default 1, to its front end), else unchanged; 'inherit' = share the worker's "
-        "cores; or a list of core ids")
-    learner_cpu_share: float = Field(
-        0.5, gt=0.0, le=1.0, description="fraction of wall time the learner may be busy, in "
-        "(0, 1]; enforced by sleeping after each update in proportion to its duration")
-
     trace_dir: str | None = Field(
         None, description="write what vLLM's drafter computed at every step (block positions, "
         "mask-row hidden states) to this directory, for parity checks (None = off)")
 
+    update: UpdateConfig = Field(default_factory=UpdateConfig, description="online update rule")
+    pacing: PacingConfig = Field(default_factory=PacingConfig, description="learner thread pacing")
     buffer: BufferConfig = Field(default_factory=BufferConfig, description="feedback buffer")
     publish: PublishConfig = Field(default_factory=PublishConfig, description="weight publishing")
     checkpoint: CheckpointConfig = Field(
@@ -227,12 +277,26 @@ class OnlineSpecConfig(_Section):
                              "on forced acceptances)")
         return self
 
-    @model_validator(mode="after")
-    def _ensemble_needs_members(self) -> "OnlineSpecConfig":
-        if self.algorithm == "ensemble" and len(self.ensemble_lrs) < 2:
-            raise ValueError(
-                f"algorithm 'ensemble' needs >= 2 ensemble_lrs (got {len(self.ensemble_lrs)})")
-        return self
+    @model_validator(mode="before")
+    @classmethod
+    def _accept_old_keys(cls, data: Any) -> Any:
+        return _move_old_keys(data)[0]
+
+    # Old flat names, read-only: the sections hold the values.
+    algorithm = property(lambda self: self.update.algorithm)
+    lr = property(lambda self: self.update.lr)
+    weight_decay = property(lambda self: self.update.weight_decay)
+    betas = property(lambda self: self.update.betas)
+    eps = property(lambda self: self.update.adam_eps)
+    grad_clip = property(lambda self: self.update.grad_clip)
+    ensemble_lrs = property(lambda self: self.update.ensemble_lrs)
+    hedge_eps = property(lambda self: self.update.hedge_lr)
+    hedge_share = property(lambda self: self.update.hedge_share)
+    update_interval_s = property(lambda self: self.pacing.update_interval_s)
+    max_updates_per_s = property(lambda self: self.pacing.max_updates_per_s)
+    learner_threads = property(lambda self: self.pacing.learner_threads)
+    learner_cores = property(lambda self: self.pacing.learner_cores)
+    learner_cpu_share = property(lambda self: self.pacing.learner_cpu_share)
 
     # -- construction ---------------------------------------------------------------------------
     @classmethod
@@ -253,10 +317,11 @@ class OnlineSpecConfig(_Section):
                 f"(got {type(obj).__name__})")
         if not isinstance(data, dict):
             raise ConfigError(f"{ROOT}: expected a JSON object (got {type(data).__name__})")
+        data, renames = _move_old_keys(data)
         try:
             return cls.model_validate(data)
         except ValidationError as e:
-            raise ConfigError(format_validation_error(e, cls)) from None
+            raise ConfigError(format_validation_error(e, cls, renames)) from None
 
     def to_json(self) -> str:
         return self.model_dump_json()
@@ -358,13 +423,14 @@ def _got(value: Any) -> str:
     return s if len(s) <= 60 else s[:57] + "..."
 
 
-def _one(err: dict, model: type[BaseModel]) -> str:
+def _one(err: dict, model: type[BaseModel], renames: dict[tuple, tuple]) -> str:
     loc = tuple(err.get("loc", ()))
     kind = err.get("type", "")
     ctx = err.get("ctx") or {}
     # pydantic puts a union member's name into loc ("float", "none"): drop those tags.
     loc = tuple(p for p in loc if isinstance(p, int) or p not in ("float", "int", "none", "str"))
-    path = _path(loc)
+    shown = next((old + loc[2:] for new, old in renames.items() if loc[:2] == new), loc)
+    path = _path(shown)
     cons = _constraints(model, loc)
     if kind in ("greater_than", "greater_than_equal", "less_than", "less_than_equal"):
         rng = _range_of(cons)
@@ -392,6 +458,9 @@ def _one(err: dict, model: type[BaseModel]) -> str:
     return f"{path}: {msg[0].lower() + msg[1:]}{suffix} (got {_got(err.get('input'))})"
 
 
-def format_validation_error(e: ValidationError, model: type[BaseModel] = OnlineSpecConfig) -> str:
-    """All errors of `e` on one line, '; '-separated, each 'onlinespec.<path>: <rule> (got x)'."""
-    return "; ".join(_one(err, model) for err in e.errors(include_url=False)).replace("\n", " ")
+def format_validation_error(e: ValidationError, model: type[BaseModel] = OnlineSpecConfig,
+                            renames: dict[tuple, tuple] | None = None) -> str:
+    """All errors of `e` on one line, '; '-separated, each 'onlinespec.<path>: <rule> (got x)'.
+    renames {new loc prefix: old loc prefix}: name moved keys as the user wrote them."""
+    return "; ".join(_one(err, model, renames or {})
+                     for err in e.errors(include_url=False)).replace("\n", " ")

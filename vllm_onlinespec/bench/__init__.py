@@ -2,14 +2,15 @@
 stream, a report (JSON, markdown, PNG), the domain-shift and concurrency benchmarks, the demo.
 
     prompts.py     prompt streams (Spec-Bench categories, HumanEval, built-in chat prompts)
-    arms.py        arm names -> ArmSpec (nospec, ngram, frozen, online-<algo>, fixed/adaflash/budget)
-    arm.py         `python -m vllm_onlinespec.bench.arm SPEC.json`: one engine, one stream, one result
-    runner.py      runs arms in subprocesses one after the other, with progress bars
+    arm_catalog.py arm names -> ArmSpec (nospec, ngram, frozen, online-<algo>, fixed/adaflash/budget)
+    arm_process.py `python -m vllm_onlinespec.bench.arm_process SPEC.json`: one engine, one
+                   stream, one result (the subprocess of one arm)
+    launch.py      launches the arms' subprocesses one after the other, with progress bars
     drafters.py    trains (or reuses) a starting drafter through `vllm-onlinespec train`
     report.py      summary table, markdown, plots
     cli.py         `vllm-onlinespec bench`
     concurrency.py `vllm-onlinespec bench-serve`: `vllm serve` + `vllm bench serve` at several C
     demo.py        `vllm-onlinespec demo`
 
-Nothing here imports vLLM at module level: engines live in subprocesses (`arm.py`, `vllm serve`).
+Nothing here imports vLLM at module level: engines live in subprocesses (`arm_process.py`, `vllm serve`).
 """

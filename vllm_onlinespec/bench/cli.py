@@ -19,7 +19,7 @@ from pathlib import Path
 
 from vllm_onlinespec.bench import prompts as P
 
-def recipe_flags(recipe: str = "smollm2-small") -> dict:
+def recipe_flags(recipe: str = "smollm2-default") -> dict:
     """A `vllm-onlinespec train` recipe as {flag: value}, without its prompt sources (the
     default recipe turns on HumanEval, which a domain-shift run must be able to leave out)."""
     from vllm_onlinespec.training.cli import RECIPES
@@ -78,7 +78,7 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     a = b.add_argument
     a("--arms", default="nospec,ngram,frozen,online-ogd,online-optimistic,online-ensemble",
-      help="comma-separated arms, run in this order (see vllm_onlinespec/bench/arms.py)")
+      help="comma-separated arms, run in this order (see vllm_onlinespec/bench/arm_catalog.py)")
     a("--spec-bench", metavar="PATH", help="Spec-Bench question.jsonl")
     a("--train-categories", help="what the starting drafter is trained on (ignored with --drafter)")
     a("--serve-categories", help="what the stream serves (default: every Spec-Bench category not "
@@ -105,10 +105,10 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
 def run_bench(args: argparse.Namespace) -> int:
     from transformers import AutoTokenizer
 
-    from vllm_onlinespec.bench.arms import DEFAULT_ONLINE, _merge, make_arm
+    from vllm_onlinespec.bench.arm_catalog import DEFAULT_ONLINE, _merge, make_arm
     from vllm_onlinespec.bench.drafters import cache_key, ensure_drafter
     from vllm_onlinespec.bench.report import summarize, text_table, write_report
-    from vllm_onlinespec.bench.runner import run_arms
+    from vllm_onlinespec.bench.launch import run_arms
     from vllm_onlinespec.models import cache_dir, resolve
 
     t0 = time.perf_counter()

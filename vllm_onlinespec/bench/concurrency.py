@@ -27,7 +27,7 @@ from pathlib import Path
 
 from tqdm.auto import tqdm
 
-from vllm_onlinespec.bench.arms import clear_own_checkpoints
+from vllm_onlinespec.bench.arm_catalog import clear_own_checkpoints
 from vllm_onlinespec.bench.results import ArmSpec
 
 SERVED_NAME = "onlinespec-bench"
@@ -265,7 +265,7 @@ def add_bench_serve_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def run_bench_serve(args: argparse.Namespace) -> int:
-    from vllm_onlinespec.bench.arms import DEFAULT_ONLINE, _merge, make_arm
+    from vllm_onlinespec.bench.arm_catalog import DEFAULT_ONLINE, _merge, make_arm
     from vllm_onlinespec.models import cache_dir, resolve
 
     out = Path(args.out)

@@ -93,7 +93,7 @@ def verdict(results) -> list[str]:
         lines.append(f"verdict: the drafter LEARNED the new domain while serving it: +{gain:.3f} "
                      f"accepted tokens per verify step over the same start weights frozen, "
                      f"on prompts it had never seen (drafter version "
-                     f"{on.learner.get('published_version', 0)})")
+                     f"{on.stats.published_version})")
     else:
         lines.append(f"verdict: NO measurable learning in this budget (gain {gain:+.3f} < "
                      f"{MIN_GAIN}); a longer stream (the full demo, or `vllm-onlinespec bench`) "
@@ -110,10 +110,10 @@ def verdict(results) -> list[str]:
 def run_demo(args: argparse.Namespace) -> int:
     from transformers import AutoTokenizer
 
-    from vllm_onlinespec.bench.arms import DEFAULT_ONLINE, make_arm
+    from vllm_onlinespec.bench.arm_catalog import DEFAULT_ONLINE, make_arm
     from vllm_onlinespec.bench.drafters import cache_key, ensure_drafter
     from vllm_onlinespec.bench.report import summarize, text_table, write_report
-    from vllm_onlinespec.bench.runner import run_arms
+    from vllm_onlinespec.bench.launch import run_arms
     from vllm_onlinespec.models import cache_dir, resolve
 
     t0 = time.perf_counter()
@@ -136,7 +136,7 @@ def run_demo(args: argparse.Namespace) -> int:
     print(f"[3/4] serving {len(stream)} new prompts from another domain ({what}), waves of "
           f"{plan.wave}, greedy, up to {plan.max_tokens} tokens, bfloat16; arms: "
           + ", ".join(ARMS), flush=True)
-    online = DEFAULT_ONLINE  # measured on this stream: see bench/arms.py
+    online = DEFAULT_ONLINE  # measured on this stream: see bench/arm_catalog.py
     specs = [make_arm(a, target=target, prompts=str(stream_path), out_dir=out, drafter=str(drafter),
                       online=online, wave=plan.wave, max_tokens=plan.max_tokens,
                       catch_up_s=plan.catch_up_s) for a in ARMS]

@@ -46,8 +46,8 @@ def summarize(results: Sequence[ArmResult]) -> list[Row]:
             arm=r.name, tok_s=t["tok_s"], speedup=t["tok_s"] / base if base else None,
             tpot_ms=t["tpot_ms"], acceptance_length=t["acceptance_length"],
             early=early["acceptance_length"], late=late["acceptance_length"],
-            drafter_version=int(r.learner.get("published_version", 0)),
-            learner_updates=int(r.learner.get("learner/updates", 0)),
+            drafter_version=r.stats.published_version,
+            learner_updates=r.stats.learner.updates if r.stats.learner is not None else 0,
             output_tokens=int(t["output_tokens"]), startup_s=r.startup_s, serve_s=r.serve_s,
             catch_up_s=sum(w.catch_up_s for w in r.waves), error=r.error))
     return rows

@@ -93,8 +93,15 @@ class ArmResult:
     requests: list[RequestResult] = field(default_factory=list)
     startup_s: float = 0.0
     serve_s: float = 0.0
-    learner: dict = field(default_factory=dict)  # final onlinespec_stats (learning arms)
+    learner: dict = field(default_factory=dict)  # final onlinespec_stats RPC dict (learning arms)
     error: str | None = None
+
+    @property
+    def stats(self) -> "OnlineSpecStats":
+        """The final worker stats, parsed (serving/stats.py); defaults for arms without them."""
+        from vllm_onlinespec.serving.stats import OnlineSpecStats
+
+        return OnlineSpecStats.from_dict(self.learner)
 
     @property
     def name(self) -> str:

@@ -5,10 +5,11 @@ from .algorithms import (HedgeEnsemble, OGD, OnlineAlgorithm, Optimistic, Optimi
                          make_algorithm)
 from .buffer import FeedbackBuffer, FeedbackRecord, TrainingWindow
 from .checkpoint import Checkpoint, CheckpointError
+from .factory import build_learner
 from .learner import OnlineLearner
 
 __all__ = [
     "Checkpoint", "CheckpointError", "FeedbackBuffer", "FeedbackRecord", "HedgeEnsemble", "OGD",
     "OnlineAlgorithm", "OnlineLearner", "Optimistic", "OptimisticMomentum", "TrainingWindow",
-    "checkpoint", "make_algorithm",
+    "build_learner", "checkpoint", "make_algorithm",
 ]

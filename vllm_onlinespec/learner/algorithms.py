@@ -443,17 +443,16 @@ class HedgeEnsemble(OnlineAlgorithm):
 
 
 def make_algorithm(cfg, params: Sequence[torch.Tensor]) -> OnlineAlgorithm:
-    """The update rule an OnlineSpecConfig asks for."""
-    kw = dict(betas=tuple(cfg.betas), eps=cfg.eps, weight_decay=cfg.weight_decay)
-    if cfg.algorithm == "ogd":
-        return OGD(params, lr=cfg.lr, **kw)
-    if cfg.algorithm == "optimistic":
-        return Optimistic(params, lr=cfg.lr, **kw)
-    if cfg.algorithm == "optimistic_momentum":
-        return OptimisticMomentum(params, lr=cfg.lr, **kw)
-    if cfg.algorithm == "ensemble":
-        # cfg.hedge_eps is Hedge's learning rate eta (config name kept for old configs).
-        return HedgeEnsemble(params, cfg.ensemble_lrs, eta=cfg.hedge_eps,
-                             share=cfg.hedge_share,
+    """The update rule an OnlineSpecConfig asks for (its `update` section)."""
+    u = cfg.update
+    kw = dict(betas=tuple(u.betas), eps=u.adam_eps, weight_decay=u.weight_decay)
+    if u.algorithm == "ogd":
+        return OGD(params, lr=u.lr, **kw)
+    if u.algorithm == "optimistic":
+        return Optimistic(params, lr=u.lr, **kw)
+    if u.algorithm == "optimistic_momentum":
+        return OptimisticMomentum(params, lr=u.lr, **kw)
+    if u.algorithm == "ensemble":
+        return HedgeEnsemble(params, u.ensemble_lrs, eta=u.hedge_lr, share=u.hedge_share,
                              member_factory=lambda ps, lr: OGD(ps, lr=lr, **kw))
     raise ValueError(f"unknown algorithm {cfg.algorithm!r}")

@@ -181,6 +181,9 @@ def verify(path: str | Path) -> dict[str, Any]:
         raise CheckpointError(f"{path}: unreadable {MARKER} marker: {e}") from None
     if not isinstance(marker, dict) or not isinstance(marker.get("files"), dict):
         raise CheckpointError(f"{path}: malformed {MARKER} marker")
+    if marker.get("format") != FORMAT:
+        raise CheckpointError(f"{path}: checkpoint format {marker.get('format')!r}, this "
+                              f"version of vllm-onlinespec reads format {FORMAT}")
     m = _FINAL.match(path.name)
     if m and int(m.group(1)) != marker.get("version"):
         raise CheckpointError(f"{path}: marker says version {marker.get('version')}")

@@ -30,6 +30,7 @@ learner runs is `learner_cores` (see cores.py): by default the cores vLLM keeps 
 
 from __future__ import annotations
 
+import copy
 import logging
 import math
 import threading
@@ -339,19 +340,48 @@ class OnlineLearner:
                 raise FileNotFoundError(f"no complete checkpoint under {path}")
             path = found
         c = ckpt.load(path)
-        if c.model_state is None:
-            raise ValueError(f"checkpoint {path} holds no model state")
-        missing = set(self.names) - set(c.model_state)
-        if missing:
-            raise ValueError(f"checkpoint lacks parameters: {sorted(missing)[:5]}")
-        with self._model_lock, torch.no_grad():
-            for n, p in zip(self.names, self.params):
-                p.copy_(c.model_state[n])
-            if c.algo_state is not None:
-                self.algo.load_state_dict(c.algo_state)
+        self._check_compatible(path, c)
+        # All or nothing: a checkpoint that fails half-way (a state the rule cannot take) must
+        # leave the learner exactly as it was, so the caller can start fresh from it.
+        saved_params = [p.detach().clone() for p in self.params]
+        saved_algo = copy.deepcopy(self.algo.state_dict())
+        try:
+            with self._model_lock, torch.no_grad():
+                for n, p in zip(self.names, self.params):
+                    p.copy_(c.model_state[n])
+                if c.algo_state is not None:
+                    self.algo.load_state_dict(c.algo_state)
+        except Exception as e:
+            with self._model_lock, torch.no_grad():
+                for p, old in zip(self.params, saved_params):
+                    p.copy_(old)
+                self.algo.load_state_dict(saved_algo)
+            raise ckpt.CheckpointError(f"{path}: cannot restore: {type(e).__name__}: {e}") from e
+        with self._model_lock:
             self.updates = int(c.extra.get("updates", self.updates))
             self._publish(c.version)
         return c.version
+
+    def _check_compatible(self, path: Path, c: "ckpt.Checkpoint") -> None:
+        """CheckpointError unless c holds exactly this model's parameters, shape for shape,
+        written by the same update rule (another algorithm's state would not mean the same)."""
+        if c.model_state is None:
+            raise ckpt.CheckpointError(f"{path}: holds no model state")
+        have = set(c.model_state)
+        missing, unexpected = sorted(set(self.names) - have), sorted(have - set(self.names))
+        if missing or unexpected:
+            raise ckpt.CheckpointError(f"{path}: another architecture (missing {missing[:3]}, "
+                                       f"unexpected {unexpected[:3]})")
+        for n, p in zip(self.names, self.params):
+            if tuple(c.model_state[n].shape) != tuple(p.shape):
+                raise ckpt.CheckpointError(
+                    f"{path}: another architecture ({n} has shape "
+                    f"{list(c.model_state[n].shape)}, this model {list(p.shape)})")
+        saved = c.extra.get("config") or {}
+        theirs = (saved.get("update") or {}).get("algorithm", saved.get("algorithm"))
+        if theirs is not None and theirs != self.cfg.algorithm:
+            raise ckpt.CheckpointError(f"{path}: written by algorithm {theirs!r}, this learner "
+                                       f"runs {self.cfg.algorithm!r}")
 
     # -- statistics ------------------------------------------------------------------------------
     def stats(self) -> dict[str, Any]:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from vllm_onlinespec.learner.buffer import FeedbackRecord
-from vllm_onlinespec.serving.compat import StepView
+from vllm_onlinespec.serving.compat.step_view import StepView
 
 
 def committed_rows(view: StepView, accepted: list[int]) -> list[tuple[int, int]]:
@@ -28,7 +28,8 @@ def committed_rows(view: StepView, accepted: list[int]) -> list[tuple[int, int]]
 def records_from_step(view: StepView, accepted: list[int], version: int,
                       feature_dtype: torch.dtype | None = None) -> list[FeedbackRecord]:
     """Copy what the learner needs out of the runner's reused buffers. Call it outside
-    inference mode: tensors made inside it can never join an autograd graph."""
+    inference mode: tensors made inside it can never join an autograd graph. `version`: the
+    drafter version that proposed the drafts this step verified (each record's tag)."""
     if not view.aux_hidden_states:
         return []
     rows = committed_rows(view, accepted)

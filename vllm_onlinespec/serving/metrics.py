@@ -14,25 +14,37 @@ import os
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
+
+from vllm_onlinespec.serving.stats import OnlineSpecStats, is_number
 
 ENV = "ONLINESPEC_METRICS_DIR"  # not VLLM_*: vLLM warns about unknown VLLM_ variables
 
-# name -> (prometheus type, stats key, help)
-METRICS = {
-    "onlinespec:drafter_version": ("gauge", "published_version", "drafter weights version vLLM serves"),
-    "onlinespec:learner_updates": ("counter", "learner/updates", "successful online updates"),
-    "onlinespec:learner_errors": ("counter", "learner/errors", "learner updates discarded after an exception"),
-    "onlinespec:learner_nonfinite": ("counter", "learner/skipped_nonfinite", "updates discarded for a non-finite loss or gradient"),
-    "onlinespec:learner_loss": ("gauge", "learner/last_loss", "loss of the last online update"),
-    "onlinespec:learner_update_ms": ("gauge", "learner/update_ms", "wall time of the last online update, ms"),
-    "onlinespec:buffer_tokens": ("gauge", "buffer/size", "tokens held by the feedback buffer"),
-    "onlinespec:buffer_drops": ("counter", "buffer/drops", "feedback tokens dropped before training"),
-    "onlinespec:publish_ms": ("gauge", "publish_ms_last", "time to publish the last weights into vLLM's drafter, ms"),
-    "onlinespec:publishes": ("counter", "publishes", "weight publishes into vLLM's drafter"),
-    "onlinespec:hook_errors": ("counter", "hook_errors", "serving-side hook failures (step kept going)"),
-    "onlinespec:verify_tokens": ("counter", "policy/verified", "draft tokens sent to verification"),
-    "onlinespec:draft_tokens": ("counter", "policy/drafted", "draft tokens proposed before the verify-length cut"),
+# name -> (prometheus type, reader of OnlineSpecStats, help); a reader returns None when the
+# figure does not apply (no learner), and the metric then has no sample for that worker.
+def _learner(attr: str) -> Callable[[OnlineSpecStats], Any]:
+    return lambda s: getattr(s.learner, attr) if s.learner is not None else None
+
+
+def _buffer(attr: str) -> Callable[[OnlineSpecStats], Any]:
+    return lambda s: getattr(s.buffer, attr) if s.buffer is not None else None
+
+
+METRICS: dict[str, tuple[str, Callable[[OnlineSpecStats], Any], str]] = {
+    "onlinespec:drafter_version": ("gauge", lambda s: s.published_version, "drafter weights version vLLM serves"),
+    "onlinespec:learner_updates": ("counter", _learner("updates"), "successful online updates"),
+    "onlinespec:learner_errors": ("counter", _learner("errors"), "learner updates discarded after an exception"),
+    "onlinespec:learner_nonfinite": ("counter", _learner("skipped_nonfinite"), "updates discarded for a non-finite loss or gradient"),
+    "onlinespec:learner_loss": ("gauge", _learner("last_loss"), "loss of the last online update"),
+    "onlinespec:learner_update_ms": ("gauge", _learner("update_ms"), "wall time of the last online update, ms"),
+    "onlinespec:buffer_tokens": ("gauge", _buffer("size"), "tokens held by the feedback buffer"),
+    "onlinespec:buffer_drops": ("counter", _buffer("drops"), "feedback tokens dropped before training"),
+    "onlinespec:publish_ms": ("gauge", lambda s: s.publish_ms_last, "time to publish the last weights into vLLM's drafter, ms"),
+    "onlinespec:publishes": ("counter", lambda s: s.publishes, "weight publishes into vLLM's drafter"),
+    "onlinespec:hook_errors": ("counter", lambda s: s.hook_errors, "serving-side hook failures (step kept going)"),
+    "onlinespec:hook_skips": ("counter", lambda s: sum(s.hooks.skips.values()), "serving-side hooks that had nothing to work on (step view, drafter hidden states, draft lists)"),
+    "onlinespec:verify_tokens": ("counter", lambda s: s.cutter.verified, "draft tokens sent to verification"),
+    "onlinespec:draft_tokens": ("counter", lambda s: s.cutter.drafted, "draft tokens proposed before the verify-length cut"),
 }
 
 
@@ -55,13 +67,13 @@ class MetricsWriter:
         """Cheap check before building the stats: a step must not pay for a write it skips."""
         return self.path is not None and time.monotonic() - self._last >= self.min_interval_s
 
-    def write(self, stats: dict[str, Any], info: dict[str, str], force: bool = False) -> None:
+    def write(self, stats: OnlineSpecStats, info: dict[str, str], force: bool = False) -> None:
         now = time.monotonic()
         if self.path is None or (not force and now - self._last < self.min_interval_s):
             return
         self._last = now
         tmp = self.path.with_suffix(".tmp")
-        tmp.write_text(json.dumps({"stats": stats, "info": info}, default=float))
+        tmp.write_text(json.dumps({"stats": stats.to_dict(), "info": info}, default=float))
         os.replace(tmp, self.path)
 
 
@@ -92,12 +104,13 @@ class OnlineSpecCollector:
                 data.append((pid, json.loads(f.read_text())))
             except (OSError, ValueError):
                 continue
-        for name, (kind, key, doc) in METRICS.items():
+        parsed = [(pid, OnlineSpecStats.from_dict(d.get("stats"))) for pid, d in data]
+        for name, (kind, read, doc) in METRICS.items():
             fam = (CounterMetricFamily if kind == "counter" else GaugeMetricFamily)(
                 name.removesuffix("_total"), doc, labels=["worker"])
-            for pid, d in data:
-                v = d["stats"].get(key)
-                if isinstance(v, (int, float)) and v == v:
+            for pid, st in parsed:
+                v = read(st)
+                if is_number(v):
                     fam.add_metric([pid], float(v))
             yield fam
         info = InfoMetricFamily("onlinespec:config", "online speculation settings in force",

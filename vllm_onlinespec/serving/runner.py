@@ -1,13 +1,17 @@
-"""The model-runner half of SpecDecodeWorker: hooks into vLLM's V1 runner at four points.
+"""The model-runner half of SpecDecodeWorker: hooks into vLLM's V1 runner.
 
   load_model        drafter loads with plain weights (republishable); the online session starts
+  execute_model     timed (step profile, the budget's step cost)
   _sample           remembers the rejection sampler's output (accepted lengths); the oracle
   propose_draft_token_ids   timed only (serving/step_profile.py)
   sample_tokens     before: a view of the target step; after: feedback -> buffer, then publish
-  take_draft_token_ids   the verify-length policy cuts each request's draft (issue 5)
+  take_draft_token_ids   the verify-length policy cuts each request's draft
 
-Publishing happens at the end of sample_tokens, after this step's drafter forward and before
-the next step's: new weights never land in the middle of a forward.
+Every hook follows one pattern (serving/guard.py): vLLM's own call runs outside any guard, so
+its exceptions reach vLLM unchanged and its return value is returned as is; our work before and
+after it runs under a guard that counts and swallows our exceptions. Publishing happens at the
+end of sample_tokens, after this step's drafter forward and before the next step's: new weights
+never land in the middle of a forward.
 """
 
 from __future__ import annotations
@@ -17,6 +21,8 @@ import time
 from typing import Any
 
 from vllm_onlinespec.serving import compat
+from vllm_onlinespec.serving import guard as G
+from vllm_onlinespec.serving.guard import HookGuard
 from vllm_onlinespec.serving.step_profile import StepProfile
 
 logger = logging.getLogger("vllm_onlinespec")
@@ -26,66 +32,85 @@ class OnlineSpecRunnerMixin:
     _onlinespec: Any = None
     _onlinespec_sampled: Any = None
     _onlinespec_t0: float | None = None
+    _onlinespec_tokens: int = 0
+
+    def _onlinespec_init(self) -> None:
+        if getattr(self, "_onlinespec_guard", None) is None:
+            self._onlinespec_guard = HookGuard()
+            self._onlinespec_profile = StepProfile()
 
     def load_model(self, *args, **kwargs):
-        from vllm_onlinespec.serving.session import OnlineSession, config_from_vllm
+        from vllm_onlinespec.serving.session import OnlineSession
+        from vllm_onlinespec.serving.validate import config_from_vllm
 
-        self._onlinespec_profile = StepProfile()
+        self._onlinespec_init()
+        # Not guarded: a bad config or an unloadable drafter must stop start-up, loudly.
         cfg = config_from_vllm(self.vllm_config)
         if cfg.enabled:
             # Only a learning drafter is republished: keep its Linear weights plain (vLLM
             # packs them for oneDNN and drops the originals). A frozen one stays packed.
             compat.wrap_drafter_load(self)
         out = super().load_model(*args, **kwargs)
-        self._onlinespec = OnlineSession(self, cfg)
+        self._onlinespec = OnlineSession(self, cfg, self._onlinespec_guard)
         return out
 
     def execute_model(self, scheduler_output, *args, **kwargs):
-        t0 = self._onlinespec_t0 = time.perf_counter()
-        self._onlinespec_tokens = int(scheduler_output.total_num_scheduled_tokens)
+        self._onlinespec_init()
+        guard = self._onlinespec_guard
+        t0 = time.perf_counter()
+        with guard(G.EXECUTE_MODEL):
+            self._onlinespec_t0 = t0
+            self._onlinespec_tokens = int(scheduler_output.total_num_scheduled_tokens)
         try:
             return super().execute_model(scheduler_output, *args, **kwargs)
         finally:
-            prof = self._onlinespec_profile
-            prof.steps += 1
-            prof.target_s += time.perf_counter() - t0
+            with guard(G.EXECUTE_MODEL):
+                prof = self._onlinespec_profile
+                prof.steps += 1
+                prof.target_s += time.perf_counter() - t0
 
     def _sample(self, logits, spec_decode_metadata):
+        self._onlinespec_init()
         t0 = time.perf_counter()
         out = super()._sample(logits, spec_decode_metadata)
         t1 = time.perf_counter()
-        prof, session = self._onlinespec_profile, self._onlinespec
-        prof.sample_s += t1 - t0
-        self._onlinespec_sampled = out.sampled_token_ids
-        if session is not None:
-            with prof.ours(inside_sample_tokens=True):
-                session.force_oracle(out.sampled_token_ids, logits, spec_decode_metadata)
-                if self._onlinespec_t0 is not None:
-                    # Target forward + verification, not drafting: what one more verify token costs.
-                    session.observe_step_cost(self._onlinespec_tokens, t1 - self._onlinespec_t0)
+        with self._onlinespec_guard(G.SAMPLE):
+            prof, session = self._onlinespec_profile, self._onlinespec
+            prof.sample_s += t1 - t0
+            self._onlinespec_sampled = out.sampled_token_ids
+            if session is not None:
+                with prof.ours(inside_sample_tokens=True):
+                    session.force_oracle(out.sampled_token_ids, logits, spec_decode_metadata)
+                    if self._onlinespec_t0 is not None:
+                        # Target forward + verification, not drafting: what a verify token costs.
+                        session.observe_step_cost(self._onlinespec_tokens, t1 - self._onlinespec_t0)
         self._onlinespec_t0 = None
         return out
 
     def propose_draft_token_ids(self, *args, **kwargs):
+        self._onlinespec_init()
         t0 = time.perf_counter()
         try:
             return super().propose_draft_token_ids(*args, **kwargs)
         finally:
-            self._onlinespec_profile.draft_s += time.perf_counter() - t0
+            with self._onlinespec_guard(G.PROPOSE):
+                self._onlinespec_profile.draft_s += time.perf_counter() - t0
 
     def sample_tokens(self, grammar_output):
+        self._onlinespec_init()
         t0 = time.perf_counter()
-        session, prof = self._onlinespec, self._onlinespec_profile
+        guard, session = self._onlinespec_guard, self._onlinespec
         view = None
-        if session is not None:
-            with prof.ours(inside_sample_tokens=True):
-                view = session.capture(self)
         self._onlinespec_sampled = None
+        if session is not None:
+            with guard(G.CAPTURE), self._onlinespec_profile.ours(inside_sample_tokens=True):
+                view = session.capture(self)
         out = super().sample_tokens(grammar_output)
         if session is not None:
-            with prof.ours(inside_sample_tokens=True):
+            with guard(G.FEEDBACK), self._onlinespec_profile.ours(inside_sample_tokens=True):
                 session.after_step(self, view, self._onlinespec_sampled)
-        prof.sample_tokens_s += time.perf_counter() - t0
+        with guard(G.SAMPLE):
+            self._onlinespec_profile.sample_tokens_s += time.perf_counter() - t0
         return out
 
     def take_draft_token_ids(self):
@@ -93,11 +118,15 @@ class OnlineSpecRunnerMixin:
         session = self._onlinespec
         if session is None or drafts is None:
             return drafts
-        with self._onlinespec_profile.ours(inside_sample_tokens=False):
+        with self._onlinespec_guard(G.CUT), self._onlinespec_profile.ours(inside_sample_tokens=False):
             return session.cut_drafts(drafts)
+        return drafts  # reached only when the cut failed: vLLM's drafts, uncut
 
     def onlinespec_profile(self) -> StepProfile:
         return self._onlinespec_profile
+
+    def onlinespec_guard(self) -> HookGuard:
+        return self._onlinespec_guard
 
     def shutdown_onlinespec(self) -> None:
         if self._onlinespec is not None:

@@ -1,9 +1,16 @@
-"""One online-speculation session per worker: config, buffer, learner, publishing, policy.
+"""One online-speculation session per worker: it only wires the stages of the data path.
+
+    learner/factory.py   the learner, its training copy of the drafter and its objective
+    serving/feedback.py  one step's verification -> feedback records -> the learner's buffer
+    serving/publish.py   the learner's newest snapshot -> vLLM's drafter, between steps
+    policy/cutter.py     the length head -> the verify-length policy -> each cut draft
+    serving/metrics.py   the figures (serving/stats.py) -> a file the API server exports
+    serving/guard.py     every hook's failures and silent skips, counted
 
 The serving thread only ever does cheap things here (clone feedback rows into the buffer, swap
 in the newest published weights, cut drafts); the learner thread does the training. Nothing
-that goes wrong on the learning side may reach the serving path: every hook is guarded, counts
-its failures and lets the engine step finish with the last good weights.
+that goes wrong on the learning side may reach the serving path: each stage runs under its own
+guard, so a stage that fails every step still leaves the others working.
 """
 
 from __future__ import annotations
@@ -15,158 +22,126 @@ from typing import Any
 import torch
 from torch import nn
 
-from vllm_onlinespec.config import ConfigError, OnlineSpecConfig
+from vllm_onlinespec.config import OnlineSpecConfig
+from vllm_onlinespec.policy.cutter import DraftCutter
 from vllm_onlinespec.serving import compat
-from vllm_onlinespec.budget import StepCostModel
+from vllm_onlinespec.serving import guard as G
 from vllm_onlinespec.serving.feedback import records_from_step
+from vllm_onlinespec.serving.guard import HookGuard
 from vllm_onlinespec.serving.metrics import MetricsWriter
 from vllm_onlinespec.serving.publish import Publisher
+from vllm_onlinespec.serving.stats import BufferStats, CutterStats, LearnerStats, OnlineSpecStats
 from vllm_onlinespec.serving.trace import DraftTracer
-from vllm_onlinespec.verify_length import make_policy
+from vllm_onlinespec.serving.validate import config_from_vllm
 
 logger = logging.getLogger("vllm_onlinespec")
 # Token counts the start-up probe times: decode-sized to a full verify batch of a busy server.
 PROBE_TOKENS = (1, 16, 64, 256)
 
-
-def config_from_vllm(vllm_config: Any) -> OnlineSpecConfig:
-    """Validate `additional_config["onlinespec"]`; raises ConfigError (one line) when bad."""
-    cfg = OnlineSpecConfig.from_any(compat.additional_config(vllm_config).get("onlinespec"))
-    method = compat.spec_method(vllm_config)
-    if method != "dflash":
-        raise ConfigError(
-            f"onlinespec: vllm_onlinespec.SpecDecodeWorker needs --speculative-config with "
-            f"method 'dflash' (got {method!r})")
-    k = compat.num_speculative_tokens(vllm_config)
-    if cfg.oracle.accept_len is not None and cfg.oracle.accept_len > k + 1:
-        raise ConfigError(f"onlinespec.oracle.accept_len: must be <= num_speculative_tokens + 1 "
-                          f"= {k + 1} (got {cfg.oracle.accept_len:g})")
-    return cfg
-
-
-class TrainBundle(nn.Module):
-    """What the learner trains: the drafter twin and, optionally, its length head."""
-
-    def __init__(self, drafter: nn.Module, length_head: nn.Module | None) -> None:
-        super().__init__()
-        self.drafter = drafter
-        self.length_head = length_head
+__all__ = ["OnlineSession", "config_from_vllm"]  # config_from_vllm: old import path
 
 
 class OnlineSession:
-    def __init__(self, runner: Any, cfg: OnlineSpecConfig) -> None:
+    def __init__(self, runner: Any, cfg: OnlineSpecConfig, guard: HookGuard | None = None) -> None:
         self.cfg = cfg
+        self.runner = runner
+        self.guard = guard or HookGuard()
         self.K = compat.num_speculative_tokens(runner.vllm_config)
-        self.errors = 0
         self.steps = 0
-        self.learner = None
-        self.buffer = None
         self.publisher = Publisher(runner, repack=cfg.publish.repack and cfg.enabled)
-        self.tracer = DraftTracer.maybe(cfg, runner)
+        self.tracer = DraftTracer.maybe(cfg, runner, self.guard)
         self.metrics = MetricsWriter()
-        self.policy = make_policy(cfg.length_head, StepCostModel())
-        self.last_reason = ""
-        self.policy_drafted = self.policy_verified = 0
-        self.head: nn.Module | None = None
-        self._draft_hidden: torch.Tensor | None = None
         self.oracle = None
         if cfg.oracle.accept_len is not None:
             from vllm_onlinespec.serving.oracle import OracleVerifier
 
             self.oracle = OracleVerifier(cfg.oracle.accept_len, self.K, cfg.oracle.seed)
-        if cfg.length_head.policy != "fixed":
-            compat.wrap_draft_sampler(runner, self._on_draft_hidden)
-        if cfg.enabled:
-            self._start_learner(runner)
-        if cfg.length_head.policy != "fixed" and self.head is None:
-            self.head = self._checkpoint_head(runner)
-        logger.info("onlinespec: worker ready (learning=%s, algorithm=%s, K=%d); %s; length head: %s",
-                    cfg.enabled, cfg.algorithm, self.K, self.policy.describe(),
-                    "none: population estimate only" if self.head is None else "on")
+        self.parts = None
+        self.resumed_from: str | None = None
+        # The version of vLLM's drafter that proposed the drafts the next step verifies.
+        self._drafted_by = 0
+
+        drafter_path = cfg.drafter or compat.draft_model_path(runner.vllm_config)
+        head, trusted = self._build(runner, drafter_path)
+        self.cutter = DraftCutter(cfg.length_head, self.K, head=head, head_trusted=trusted,
+                                  on_skip=self.guard.skip)
+        if self.cutter.needs_hidden and not compat.wrap_draft_sampler(runner, self.observe_draft_hidden):
+            self.guard.skip(G.NO_DRAFT_SAMPLER)
+            logger.warning("onlinespec: vLLM's drafter has no _sample_draft_tokens to read hidden "
+                           "states from; the length head is not consulted")
+        if self.learner is not None:
+            if cfg.checkpoint.dir:
+                self._resume()
+            self.learner.start()
+        logger.info("onlinespec: worker ready (learning=%s, algorithm=%s, K=%d); %s",
+                    cfg.enabled, cfg.algorithm, self.K, self.cutter.describe())
 
     @classmethod
-    def start(cls, runner: Any) -> "OnlineSession":
-        return cls(runner, config_from_vllm(runner.vllm_config))
+    def start(cls, runner: Any, guard: HookGuard | None = None) -> "OnlineSession":
+        return cls(runner, config_from_vllm(runner.vllm_config), guard)
+
+    @property
+    def learner(self):
+        return self.parts.learner if self.parts is not None else None
+
+    @property
+    def buffer(self):
+        return self.parts.buffer if self.parts is not None else None
 
     @property
     def wants_feedback(self) -> bool:
         return self.learner is not None or self.tracer is not None
 
     # -- set-up ---------------------------------------------------------------------------------
-    def _start_learner(self, runner: Any) -> None:
-        from vllm_onlinespec.drafter import load_drafter, save_drafter
-        from vllm_onlinespec.learner import FeedbackBuffer, OnlineLearner
-        from vllm_onlinespec.learner.batches import make_batch_fn
-        from vllm_onlinespec.training.blocks import block_loss
+    def _build(self, runner: Any, drafter_path: str) -> tuple[nn.Module | None, bool]:
+        """Build the learner (learning on) and pick the length head the cutter predicts with:
+        (head, trusted). Policy 'fixed' uses no head, so none is trained for it;
+        `length_head.train = false` keeps a shipped head frozen."""
+        cfg = self.cfg
+        wants_head = cfg.length_head.policy != "fixed"
+        if cfg.enabled:
+            from vllm_onlinespec.learner.factory import build_learner
 
-        path = self.cfg.drafter or compat.draft_model_path(runner.vllm_config)
-        dcfg, drafter, head = load_drafter(path, dtype=torch.float32)
-        if head is None and self.cfg.length_head.train:
-            from vllm_onlinespec.drafter import LengthHead
+            embed, lm_head = compat.target_embed_and_head(runner)
+            self.parts = build_learner(cfg, drafter_path, embed, lm_head, self.K,
+                                       train_length_head=wants_head and cfg.length_head.train)
+            if not wants_head:
+                return None, False
+            trained = self.parts.bundle.length_head
+            if trained is not None:  # trusted only if it came trained
+                return trained, self.parts.checkpoint_head is not None
+            return self.parts.checkpoint_head, True
+        return (self._checkpoint_head(drafter_path), True) if wants_head else (None, False)
 
-            head = LengthHead(dcfg.hidden_size)
-        embed, lm_head = compat.target_embed_and_head(runner)
-        with torch.inference_mode(False):
-            self.embed_w = embed.detach().to("cpu", torch.float32).clone()
-            self.head_w = lm_head.detach().to("cpu", torch.float32).clone()
-        self.buffer = FeedbackBuffer.from_config(self.cfg)
-        loss_cfg = self.cfg.loss
-
-        def loss_fn(model: TrainBundle, batch) -> tuple[torch.Tensor, dict]:
-            loss, stats = block_loss(model.drafter, batch.ids, batch.aux.float(),
-                                     batch.final_hidden.float(), batch.anchors, self.embed_w,
-                                     self.head_w, loss_cfg=loss_cfg, length_head=model.length_head,
-                                     lengths=batch.lengths)
-            return loss, stats.as_dict()
-
-        make_batch = make_batch_fn(self.cfg.batch_blocks, self.cfg.anchors_per_request,
-                                   holdback=self.K)
-        bundle = TrainBundle(drafter, head)
-        if head is not None:
-            import copy
-
-            self.head = copy.deepcopy(head).eval().requires_grad_(False)
-
-        def save_model(directory) -> None:  # learner checkpoints stay loadable by vLLM
-            save_drafter(directory, dcfg, bundle.drafter, bundle.length_head)
-
-        self.learner = OnlineLearner(bundle, self.cfg, loss_fn, make_batch, self.buffer,
-                                     save_model=save_model, holdback=self.K)
-        if self.cfg.checkpoint.dir:
-            try:
-                v = self.learner.load_checkpoint()
-                if v:
-                    self.publisher.publish(self.learner.latest())
-                    logger.info("onlinespec: resumed drafter version %d from %s", v,
-                                self.cfg.checkpoint.dir)
-            except FileNotFoundError:
-                pass
-        self.learner.start()
-
-    def _checkpoint_head(self, runner: Any) -> nn.Module | None:
+    def _checkpoint_head(self, path: str) -> nn.Module | None:
         from vllm_onlinespec.drafter import load_drafter
 
         try:
-            path = self.cfg.drafter or compat.draft_model_path(runner.vllm_config)
             return load_drafter(path, dtype=torch.float32)[2]
         except Exception as e:  # noqa: BLE001 - no head: the policy says so in its reasons
             logger.warning("onlinespec: no length head (%s); verify policy uses population "
                            "estimates", e)
             return None
 
-    def _on_draft_hidden(self, hidden: torch.Tensor) -> None:
-        self._draft_hidden = hidden
+    def _resume(self) -> None:
+        """Newest usable checkpoint, else a fresh start (one warning); the server comes up."""
+        from vllm_onlinespec.learner.resume import resume_or_fresh
 
-    # -- every engine step ------------------------------------------------------------------------
-    def observe_step_cost(self, tokens: int, seconds: float) -> None:
-        cm = getattr(self.policy, "cost_model", None)
-        if cm is not None:
-            cm.observe(tokens, seconds)
+        r = resume_or_fresh(self.learner, self.cfg.checkpoint.dir)
+        if r.path is None:
+            return
+        self.resumed_from = str(r.path)
+        latest = self.learner.latest()
+        self.publisher.publish(latest)
+        self.cutter.refresh(latest[1], latest[0])
+        self._drafted_by = self.publisher.version
+        logger.info("onlinespec: resumed drafter version %d from %s", r.version, r.path)
+
     def probe_step_cost(self, runner: Any) -> None:
         """Start-up measurement of the target step's cost for the budget policy: timed dummy
         steps over a spread of token counts, before any request. Real steps refresh it online.
         A failed probe leaves the prior in place and says so."""
-        cm = getattr(self.policy, "cost_model", None)
+        cm = self.cutter.cost_model
         if cm is None:
             return
         try:
@@ -182,6 +157,10 @@ class OnlineSession:
                            "from the prior %s and refits from real steps",
                            type(e).__name__, e, cm.describe())
 
+    # -- every engine step (the runner guards each call) ------------------------------------------
+    def observe_step_cost(self, tokens: int, seconds: float) -> None:
+        self.cutter.observe_step_cost(tokens, seconds)
+
     def force_oracle(self, sampled: Any, logits: Any, metadata: Any) -> None:
         """Benchmark-only: rewrite the sampler's accepted lengths (serving/oracle.py)."""
         if self.oracle is not None and metadata is not None:
@@ -190,103 +169,102 @@ class OnlineSession:
     def capture(self, runner: Any) -> compat.StepView | None:
         if not self.wants_feedback:
             return None
-        try:
-            return compat.step_view(runner)
-        except Exception as e:  # noqa: BLE001 - serving must go on
-            self._failed(e)
-            return None
+        view = compat.step_view(runner)
+        if view is None:
+            self.guard.skip(G.NO_STEP_VIEW)
+        return view
 
-    def _failed(self, e: BaseException) -> None:
-        self.errors += 1
-        if self.errors <= 3 or self.errors % 100 == 0:
-            logger.exception("onlinespec: step hook failed (%d so far): %s", self.errors, e)
+    def observe_draft_hidden(self, hidden: torch.Tensor) -> None:
+        """Called inside vLLM's drafter, right before it samples: must never raise."""
+        with self.guard(G.DRAFT_HIDDEN):
+            self.cutter.observe_hidden(hidden)
 
     def after_step(self, runner: Any, view: compat.StepView | None, sampled: Any) -> None:
+        """Feedback, publish and metrics, each under its own guard."""
         self.steps += 1
-        try:
-            if view is not None and sampled is not None:
-                accepted = compat.accepted_counts(sampled, view.num_draft_tokens)
-                if view.num_draft_tokens is not None:
-                    drafted = view.num_draft_tokens
-                    self.policy.observe([d for d in drafted if d], [a for d, a in zip(drafted, accepted) if d])
-                if self.tracer is not None:
-                    self.tracer.record(view, accepted, sampled)
-                if self.buffer is not None:
-                    with torch.inference_mode(False):
-                        for rec in records_from_step(view, accepted, self.publisher.version):
-                            self.buffer.push(rec)
-                    for rid in view.finished_req_ids:
-                        self.buffer.finish(rid)
-                    self.learner.notify()
-            if self.learner is not None and self.publisher.publish(self.learner.latest()):
-                self._refresh_head(self.learner.latest()[1])
-            if self.metrics.due():
-                self.metrics.write(self.stats(), self.info())
-        except Exception as e:  # noqa: BLE001 - serving must go on
-            self._failed(e)
+        verified_by, self._drafted_by = self._drafted_by, self.publisher.version
+        with self.guard(G.FEEDBACK):
+            self._feedback(view, sampled, verified_by)
+        with self.guard(G.PUBLISH):
+            self._publish()
+        with self.guard(G.METRICS):
+            self._write_metrics()
 
-    def _refresh_head(self, snapshot) -> None:
-        if self.head is None:
+    def _feedback(self, view: compat.StepView | None, sampled: Any, drafted_by: int) -> None:
+        """drafted_by: the drafter version that proposed the drafts this step verified (vLLM
+        drafts at the end of a step, before that step's publish)."""
+        if view is None:
             return
-        prefix = "length_head."
-        state = {k[len(prefix):]: v for k, v in snapshot.items() if k.startswith(prefix)}
-        if state:
-            self.head.load_state_dict(state)
+        if sampled is None:
+            self.guard.skip(G.NO_SAMPLER_OUTPUT)
+            return
+        accepted = compat.accepted_counts(sampled, view.num_draft_tokens)
+        self.cutter.observe(view.num_draft_tokens, accepted)
+        if self.tracer is not None:
+            self.tracer.record(view, accepted, sampled)
+        if self.buffer is not None:
+            with torch.inference_mode(False):
+                for rec in records_from_step(view, accepted, drafted_by):
+                    self.buffer.push(rec)
+            for rid in view.finished_req_ids:
+                self.buffer.finish(rid)
+            self.learner.notify()
 
-    def stats(self) -> dict[str, Any]:
-        out: dict[str, Any] = {"oracle_accept_len": self.oracle.accept_len if self.oracle else 0.0,
-                               "published_version": self.publisher.version,
-                               "publishes": self.publisher.count,
-                               "publish_ms_last": self.publisher.last_ms,
-                               "publish_ms_total": self.publisher.total_ms,
-                               "hook_errors": self.errors, "steps": self.steps,
-                               "policy/drafted": self.policy_drafted,
-                               "policy/verified": self.policy_verified,
-                               "policy/last_reason": self.last_reason}
-        cm = getattr(self.policy, "cost_model", None)
-        if cm is not None:
-            out.update({"cost/a_s": cm.a, "cost/b_s_per_token": cm.b})
+    def _publish(self) -> None:
+        if self.learner is None:
+            return
+        latest = self.learner.latest()  # once: the head refresh sees what vLLM got
+        if self.publisher.publish(latest):
+            self.cutter.refresh(latest[1], latest[0])
+
+    def _write_metrics(self) -> None:
+        if self.metrics.due():
+            self.metrics.write(self.stats(), self.info())
+
+    def cut_drafts(self, drafts: Any) -> Any:
+        """Cut each request's draft to the verify-length policy's choice (a prefix: lossless).
+        The runner returns vLLM's drafts unchanged if this raises."""
+        ids = drafts.draft_token_ids
+        if not isinstance(ids, list):
+            self.guard.skip(G.NON_LIST_DRAFTS)
+            return drafts
+        drafts.draft_token_ids = self.cutter.cut(ids)
+        return drafts
+
+    # -- reading ----------------------------------------------------------------------------------
+    def stats(self) -> OnlineSpecStats:
+        c, cm = self.cutter, self.cutter.cost_model
+        out = OnlineSpecStats(
+            steps=self.steps, published_version=self.publisher.version,
+            publishes=self.publisher.count, publish_ms_last=self.publisher.last_ms,
+            publish_ms_total=self.publisher.total_ms,
+            oracle_accept_len=self.oracle.accept_len if self.oracle else 0.0,
+            cost_a_s=cm.a if cm is not None else None,
+            cost_b_s_per_token=cm.b if cm is not None else None,
+            resumed_from=self.resumed_from, hooks=self.guard.stats(),
+            cutter=CutterStats(policy=c.policy_name, head=c.head_state, drafted=c.drafted,
+                               verified=c.verified, last_reason=c.last_reason,
+                               head_updates=c.head_version))
         if self.learner is not None:
-            out.update({f"learner/{k}": v for k, v in self.learner.stats().items()})
-            out.update({f"buffer/{k}": v for k, v in self.buffer.stats().items()})
+            out.learner = LearnerStats.from_learner(self.learner.stats())
+            out.buffer = BufferStats(**self.buffer.stats())
         return out
 
     def digest(self) -> str:
-        """Digest of the published weights (what vLLM's drafter holds)."""
+        """sha256 of vLLM's drafter weights as loaded, read back from vLLM's module under
+        checkpoint names (compare with `state_digest` of a checkpoint's `drafter.*` tensors)."""
         from vllm_onlinespec.learner.checkpoint import state_digest
 
-        if self.learner is None:
+        # Only a learning engine's drafter is republished (and so kept in plain, readable
+        # weights); without a learner there is nothing a publish could have got wrong.
+        if self.learner is None or compat.drafter_module(self.runner) is None:
             return ""
-        return state_digest(self.learner.latest()[1])
+        return state_digest(compat.read_draft_weights(self.runner))
 
     def info(self) -> dict[str, str]:
         return {"algorithm": self.cfg.algorithm, "learning": str(self.cfg.enabled),
                 "verify_policy": self.cfg.length_head.policy, "K": str(self.K),
-                "length_head": "on" if self.head is not None else "off"}
-
-    def cut_drafts(self, drafts: Any) -> Any:
-        """Cut each request's draft to the verify-length policy's choice (a prefix: lossless)."""
-        try:
-            ids = drafts.draft_token_ids
-            if not isinstance(ids, list) or not ids:
-                return drafts
-            B = len(ids)
-            drafted = [len(d) for d in ids]
-            self.policy_drafted += sum(drafted)
-            if self.cfg.length_head.policy == "fixed":
-                self.policy_verified += sum(drafted)
-                return drafts
-            hidden, self._draft_hidden = self._draft_hidden, None
-            pred = None
-            if self.head is not None and hidden is not None and hidden.shape[0] == B * self.K:
-                with torch.inference_mode():
-                    pred = self.head(hidden.float().view(B, self.K, -1)).tolist()
-            lengths, self.last_reason = self.policy.lengths(pred, self.K, B)
-            drafts.draft_token_ids = [d[: min(len(d), n)] for d, n in zip(ids, lengths)]
-            self.policy_verified += sum(len(d) for d in drafts.draft_token_ids)
-        except Exception as e:  # noqa: BLE001 - fall back to the uncut drafts
-            self._failed(e)
-        return drafts
+                "length_head": self.cutter.head_state}
 
     def close(self) -> None:
         if self.learner is not None:

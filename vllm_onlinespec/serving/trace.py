@@ -10,26 +10,30 @@ from typing import Any
 import torch
 
 from vllm_onlinespec.serving import compat
+from vllm_onlinespec.serving import guard as G
 
 
 class DraftTracer:
-    def __init__(self, runner: Any, directory: str, K: int) -> None:
+    def __init__(self, runner: Any, directory: str, K: int, guard: Any) -> None:
         self.dir = Path(directory)
         self.dir.mkdir(parents=True, exist_ok=True)
         self.K = K
         self.step = 0
+        self.guard = guard
         self._hidden: torch.Tensor | None = None
-        compat.wrap_draft_sampler(runner, self._on_hidden)
+        if not compat.wrap_draft_sampler(runner, self._on_hidden):
+            guard.skip(G.NO_DRAFT_SAMPLER)
 
     @classmethod
-    def maybe(cls, cfg: Any, runner: Any) -> "DraftTracer | None":
+    def maybe(cls, cfg: Any, runner: Any, guard: Any) -> "DraftTracer | None":
         directory = getattr(cfg, "trace_dir", None)
         if not directory:
             return None
-        return cls(runner, directory, compat.num_speculative_tokens(runner.vllm_config))
+        return cls(runner, directory, compat.num_speculative_tokens(runner.vllm_config), guard)
 
     def _on_hidden(self, hidden: torch.Tensor) -> None:
-        self._hidden = hidden.detach().to("cpu", torch.float32).clone()
+        with self.guard(G.DRAFT_HIDDEN):  # inside vLLM's drafter: never raise
+            self._hidden = hidden.detach().to("cpu", torch.float32).clone()
 
     def record(self, view: compat.StepView, accepted: list[int], sampled: Any) -> None:
         hidden, self._hidden = self._hidden, None

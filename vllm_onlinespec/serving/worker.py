@@ -37,9 +37,11 @@ class SpecDecodeWorker(_Base):  # type: ignore[misc, valid-type]
         return out
 
     def onlinespec_stats(self) -> dict:
-        """Learner, buffer and publishing figures (`LLM.collective_rpc("onlinespec_stats")`)."""
+        """Learner, buffer, publishing, cutter and hook figures: `OnlineSpecStats.to_dict()`
+        (a plain dict crosses the RPC boundary; read it back with
+        `vllm_onlinespec.serving.stats.OnlineSpecStats.from_dict` or `stats.fetch(llm)`)."""
         session = getattr(getattr(self, "model_runner", None), "_onlinespec", None)
-        return session.stats() if session is not None else {}
+        return session.stats().to_dict() if session is not None else {}
 
     def onlinespec_step_profile(self) -> dict:
         """Accumulated per-phase worker time (serving/step_profile.py) and per-step means."""
@@ -57,7 +59,8 @@ class SpecDecodeWorker(_Base):  # type: ignore[misc, valid-type]
         return report.line() if report is not None else "onlinespec: defect probes did not run"
 
     def onlinespec_digest(self) -> str:
-        """sha256 of the published draft weights, to check resumes and publishes."""
+        """sha256 of vLLM's drafter weights as loaded (read back from vLLM's module), to check
+        resumes and publishes against a checkpoint's `drafter.*` tensors."""
         session = getattr(getattr(self, "model_runner", None), "_onlinespec", None)
         return session.digest() if session is not None else ""
 

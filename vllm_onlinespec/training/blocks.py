@@ -131,14 +131,14 @@ class BlockStats:
 # -- the step ---------------------------------------------------------------------------------------
 
 def block_loss(drafter: DFlashDrafter, ids: Tensor, aux: Tensor, final_hidden: Tensor,
-               anchors: Tensor, embed_w: Tensor, head_w: Tensor, *, loss_cfg: LossConfig | None = None,
+               anchors: Tensor, embed_w: Tensor, lm_head_w: Tensor, *, loss_cfg: LossConfig | None = None,
                length_head: LengthHead | None = None, lengths: Tensor | None = None,
                impl: str = "auto", ctx_kv: list[tuple[Tensor, Tensor]] | None = None
                ) -> tuple[Tensor, BlockStats]:
     """Distillation loss of the drafter on the blocks at `anchors` (+ the length head's MSE).
 
     ids [B,T], aux [B,T,F], final_hidden [B,T,H]: right-padded, row t = position t; lengths [B]
-    (default T). anchors [B,A] from sample_anchors (-1 = unused). embed_w/head_w: the target's
+    (default T). anchors [B,A] from sample_anchors (-1 = unused). embed_w/lm_head_w: the target's
     frozen embedding table and LM head (the same tensor for tied models).
     ctx_kv: per-layer context keys/values to draft against instead of the drafter's own.
     Returns (loss with graph, BlockStats). The length head sees detached drafter states, so its
@@ -157,7 +157,7 @@ def block_loss(drafter: DFlashDrafter, ids: Tensor, aux: Tensor, final_hidden: T
     rows = valid.nonzero(as_tuple=True)
     n_rows = int(rows[0].numel())
     if n_rows:
-        out = distill_loss(h[rows], ht[rows].to(h.dtype), head_w, pw[rows], alpha=cfg.alpha,
+        out = distill_loss(h[rows], ht[rows].to(h.dtype), lm_head_w, pw[rows], alpha=cfg.alpha,
                            temperature=cfg.temperature, clip=cfg.clip, mode=cfg.mode, impl=impl,
                            return_argmax=True)
         distill, tgt_rows, draft_rows = out.loss, out.target_ids, out.draft_ids

@@ -230,7 +230,7 @@ def _atomic_save(obj: object, path: Path) -> None:
 
 
 def export_drafter(out: Path, dcfg: DFlashConfig, drafter: DFlashDrafter,
-                   head: LengthHead | None) -> None:
+                   length_head: LengthHead | None) -> None:
     """Put a vLLM-loadable drafter into `out` itself, next to train_state/ and the logs.
 
     save_drafter swaps whole folders, which would drop our other files, so it writes a sibling
@@ -239,7 +239,7 @@ def export_drafter(out: Path, dcfg: DFlashConfig, drafter: DFlashDrafter,
     """
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.export-", dir=out.parent))
     try:
-        folder = save_drafter(tmp / "d", dcfg, drafter, head)
+        folder = save_drafter(tmp / "d", dcfg, drafter, length_head)
         names = sorted(p.name for p in folder.iterdir())
         for name in sorted(names, key=lambda n: n == "config.json"):  # config last
             os.replace(folder / name, out / name)
@@ -267,8 +267,8 @@ def _weighted(stats: list[dict], key: str, weight: str) -> float:
 
 
 @torch.no_grad()
-def evaluate(drafter: DFlashDrafter, head: LengthHead | None, examples: Sequence[Example],
-             embed_w: Tensor, head_w: Tensor, cfg: TrainConfig,
+def evaluate(drafter: DFlashDrafter, length_head: LengthHead | None, examples: Sequence[Example],
+             embed_w: Tensor, lm_head_w: Tensor, cfg: TrainConfig,
              ctx_kv_fn: Callable[[dict[str, Tensor]], list] | None = None) -> dict:
     """Held-out metrics on blocks anchored in the responses with all K labels (fixed anchors).
     ctx_kv_fn(batch) -> per-layer context K/V to draft against instead of the drafter's own."""
@@ -284,7 +284,7 @@ def evaluate(drafter: DFlashDrafter, head: LengthHead | None, examples: Sequence
         allowed &= torch.arange(t) + k < batch["lengths"].view(-1, 1)  # full windows only
         anchors = sample_anchors(allowed, batch["lengths"], cfg.eval_anchors, k, gen)
         _, st = block_loss(drafter, batch["ids"], batch["aux"], batch["final"], anchors, embed_w,
-                           head_w, loss_cfg=cfg.loss, length_head=head, lengths=batch["lengths"],
+                           lm_head_w, loss_cfg=cfg.loss, length_head=length_head, lengths=batch["lengths"],
                            ctx_kv=ctx_kv_fn(batch) if ctx_kv_fn else None)
         stats.append(st.as_dict())
     drafter.train()
@@ -339,7 +339,7 @@ def train(target_path: str, train_samples: Sequence[Sample], heldout_samples: Se
         raise ValueError("no training samples")
 
     # Target + features. Loading the HF target is cheap next to running it, so it is always
-    # loaded (for its embedding and LM head) and only run for features the cache lacks.
+    # loaded (for its embedding and LM length_head) and only run for features the cache lacks.
     t0 = time.perf_counter()
     fp = {"object": id(target)} if target is not None else model_fingerprint(target_path)
     if target is None:
@@ -361,15 +361,15 @@ def train(target_path: str, train_samples: Sequence[Sample], heldout_samples: Se
     # Frozen target tables in fp32 (the drafter trains in fp32 and exports bf16); the rest of
     # the target is not needed any more.
     embed_w = target.get_input_embeddings().weight.detach().float()
-    head_w = target.get_output_embeddings().weight.detach().float()
+    lm_head_w = target.get_output_embeddings().weight.detach().float()
     if embed_w.shape[0] <= dcfg.mask_token_id:
         raise ValueError(f"mask token {dcfg.mask_token_id} has no embedding row "
                          f"(vocab {embed_w.shape[0]})")
     target = None
 
     drafter = DFlashDrafter(dcfg).float()
-    head = LengthHead(dcfg.hidden_size).float() if cfg.length_head else None
-    params = list(drafter.parameters()) + (list(head.parameters()) if head is not None else [])
+    length_head = LengthHead(dcfg.hidden_size).float() if cfg.length_head else None
+    params = list(drafter.parameters()) + (list(length_head.parameters()) if length_head is not None else [])
     # No decay on norms (gains) or biases: decaying them towards 0 only fights the init of 1.
     decay = [p for p in params if p.dim() >= 2]
     no_decay = [p for p in params if p.dim() < 2]
@@ -391,8 +391,8 @@ def train(target_path: str, train_samples: Sequence[Sample], heldout_samples: Se
             raise ValueError(f"{out} holds a training run with other settings or data; "
                              f"use a new --out or delete {state_dir}")
         drafter.load_state_dict(st["drafter"])
-        if head is not None:
-            head.load_state_dict(st["length_head"])
+        if length_head is not None:
+            length_head.load_state_dict(st["length_head"])
         opt.load_state_dict(st["optimizer"])
         sched.load_state_dict(st["scheduler"])
         step, evals, window = st["step"], st["evals"], st["window"]
@@ -406,7 +406,7 @@ def train(target_path: str, train_samples: Sequence[Sample], heldout_samples: Se
     def save_state() -> None:
         _atomic_save({"run_key": run_key, "step": step, "evals": evals, "window": window,
                       "drafter": drafter.state_dict(),
-                      "length_head": head.state_dict() if head is not None else None,
+                      "length_head": length_head.state_dict() if length_head is not None else None,
                       "optimizer": opt.state_dict(), "scheduler": sched.state_dict(),
                       "torch_rng": torch.get_rng_state(), "py_rng": random.getstate()}, state_path)
 
@@ -414,7 +414,7 @@ def train(target_path: str, train_samples: Sequence[Sample], heldout_samples: Se
         if not held_ex:
             return
         t1 = time.perf_counter()
-        ev = evaluate(drafter, head, held_ex, embed_w, head_w, cfg)
+        ev = evaluate(drafter, length_head, held_ex, embed_w, lm_head_w, cfg)
         ev.update(epoch=epoch, step=step, eval_s=round(time.perf_counter() - t1, 1))
         evals.append(ev)
         _log(out, {"event": "eval", **ev})
@@ -449,7 +449,7 @@ def train(target_path: str, train_samples: Sequence[Sample], heldout_samples: Se
             anchors = sample_anchors(response_mask(batch["starts"], batch["lengths"], t),
                                      batch["lengths"], cfg.anchors_per_seq, k, gen)
             loss, st = block_loss(drafter, batch["ids"], batch["aux"], batch["final"], anchors,
-                                  embed_w, head_w, loss_cfg=cfg.loss, length_head=head,
+                                  embed_w, lm_head_w, loss_cfg=cfg.loss, length_head=length_head,
                                   lengths=batch["lengths"])
             opt.zero_grad(set_to_none=True)
             loss.backward()
@@ -472,7 +472,7 @@ def train(target_path: str, train_samples: Sequence[Sample], heldout_samples: Se
                 window.clear()
             if step % per_epoch == 0 or step == total:
                 run_eval(math.ceil(step / per_epoch))
-                export_drafter(out, dcfg, drafter, head)
+                export_drafter(out, dcfg, drafter, length_head)
                 save_state()
                 last_save = time.perf_counter()
             elif time.perf_counter() - last_save > cfg.save_every_s:
@@ -490,4 +490,4 @@ def train(target_path: str, train_samples: Sequence[Sample], heldout_samples: Se
         meta.update(evals=evals, timings={**meta.get("timings", {}), **timings})
         (out / META_FILE).write_text(json.dumps(meta, indent=2) + "\n")
     return TrainResult(out=out, steps=step, evals=evals, timings=timings, drafter=drafter,
-                       length_head=head, config=dcfg)
+                       length_head=length_head, config=dcfg)

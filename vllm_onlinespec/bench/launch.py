@@ -1,4 +1,4 @@
-"""Run arms one after the other, each in its own subprocess (`python -m vllm_onlinespec.bench.arm`).
+"""Run arms one after the other, each in its own subprocess (`python -m vllm_onlinespec.bench.arm_process`).
 
 Why subprocesses: one vLLM engine at a time fits this box, and an engine that shuts down inside
 a long-lived process leaves threads and memory behind that would bias the next arm's timings.
@@ -18,8 +18,8 @@ from pathlib import Path
 
 from tqdm.auto import tqdm
 
-from vllm_onlinespec.bench.arm import PROGRESS_TAG
-from vllm_onlinespec.bench.arms import clear_own_checkpoints
+from vllm_onlinespec.bench.arm_process import PROGRESS_TAG
+from vllm_onlinespec.bench.arm_catalog import clear_own_checkpoints
 from vllm_onlinespec.bench.results import ArmResult, ArmSpec
 
 
@@ -32,7 +32,7 @@ def run_arm(spec: ArmSpec, log_dir: Path, n_prompts: int, position: int = 0) -> 
     log_path = log_dir / f"{spec.name}.log"
     env = {**os.environ, "TOKENIZERS_PARALLELISM": "false"}
     env.setdefault("VLLM_LOGGING_LEVEL", "INFO")
-    cmd = [sys.executable, "-m", "vllm_onlinespec.bench.arm", str(spec_path)]
+    cmd = [sys.executable, "-m", "vllm_onlinespec.bench.arm_process", str(spec_path)]
     bar = tqdm(total=n_prompts, desc=f"{spec.name:>18} (starting)", unit="req", position=position,
                dynamic_ncols=True)
     t0 = time.perf_counter()

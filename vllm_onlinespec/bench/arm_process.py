@@ -1,6 +1,6 @@
 """One benchmark arm: one vLLM engine serving one prompt stream, wave after wave.
 
-    python -m vllm_onlinespec.bench.arm SPEC.json
+    python -m vllm_onlinespec.bench.arm_process SPEC.json
 
 Stream protocol: the prompts are served in file order, `wave` at a time (one batched
 `llm.chat` call per wave); every prompt is served exactly once. A wave's acceptance is measured
@@ -20,6 +20,7 @@ import time
 import traceback
 
 from vllm_onlinespec.bench.results import ArmResult, ArmSpec, RequestResult, WaveResult
+from vllm_onlinespec.serving.stats import OnlineSpecStats, fetch
 
 PROGRESS_TAG = "@@bench "
 SPEC_COUNTERS = {"accepted": "vllm:spec_decode_num_accepted_tokens",
@@ -55,10 +56,11 @@ def spec_counters(llm) -> dict[str, int]:
     return {k: int(found.get(name, 0)) for k, name in SPEC_COUNTERS.items()}
 
 
-def onlinespec_stats(llm, spec: ArmSpec) -> dict:
+def onlinespec_stats(llm, spec: ArmSpec) -> OnlineSpecStats:
+    """The worker's stats, parsed; defaults (version 0, no learner) for arms without ours."""
     if spec.onlinespec is None:
-        return {}
-    return llm.collective_rpc("onlinespec_stats")[0]
+        return OnlineSpecStats()
+    return fetch(llm)
 
 
 def request_result(o, index: int, prompt: dict, wave: int, version: int) -> RequestResult:
@@ -84,7 +86,8 @@ def catch_up(llm, spec: ArmSpec) -> float:
     t0 = time.perf_counter()
     while time.perf_counter() - t0 < spec.catch_up_s:
         # caught_up: fewer trainable fresh tokens than one update needs (holdback excluded).
-        if onlinespec_stats(llm, spec).get("learner/caught_up", True):
+        learner = onlinespec_stats(llm, spec).learner
+        if learner is None or learner.caught_up:
             break
         time.sleep(0.25)
     return time.perf_counter() - t0
@@ -111,7 +114,7 @@ def run(spec: ArmSpec) -> ArmResult:
             wall = time.perf_counter() - t
             c1 = spec_counters(llm)
             st1 = onlinespec_stats(llm, spec)
-            v0 = int(st0.get("published_version", 0))
+            v0 = st0.published_version
             reqs = [request_result(o, w * spec.wave + i, p, w, v0)
                     for i, (o, p) in enumerate(zip(outs, batch))]
             res.requests += reqs
@@ -120,15 +123,15 @@ def run(spec: ArmSpec) -> ArmResult:
                             output_tokens=sum(r.output_tokens for r in reqs), wall_s=wall,
                             **{k: c1[k] - c0[k] for k in SPEC_COUNTERS},
                             tpot_ms=sum(tpots) / len(tpots) if tpots else float("nan"),
-                            version_start=v0, version_end=int(st1.get("published_version", 0)),
-                            learner_updates=int(st1.get("learner/updates", 0)))
+                            version_start=v0, version_end=st1.published_version,
+                            learner_updates=st1.learner.updates if st1.learner else 0)
             wr.catch_up_s = catch_up(llm, spec)
             res.waves.append(wr)
             res.serve_s += wall
             res.save()
             progress("wave", index=w, prompts=len(batch), acceptance_length=wr.acceptance_length,
                      tok_s=wr.tok_s, version=wr.version_end)
-        res.learner = onlinespec_stats(llm, spec)
+        res.learner = onlinespec_stats(llm, spec).to_dict() if spec.onlinespec is not None else {}
     finally:
         res.save()
         try:
@@ -141,7 +144,7 @@ def run(spec: ArmSpec) -> ArmResult:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if len(argv) != 1:
-        print("usage: python -m vllm_onlinespec.bench.arm SPEC.json", file=sys.stderr)
+        print("usage: python -m vllm_onlinespec.bench.arm_process SPEC.json", file=sys.stderr)
         return 2
     with open(argv[0], encoding="utf-8") as f:
         spec = ArmSpec(**json.load(f))

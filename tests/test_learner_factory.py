@@ -1,0 +1,186 @@
+"""The learner factory without an engine (learner/factory.py), the session's head rules, and
+resuming from checkpoint directories that cannot be used (learner/resume.py).
+
+K (vLLM's num_speculative_tokens) != the drafter's block_size - 1 is a documented adaptation:
+the learner trains the K positions vLLM serves. Unusable checkpoints (another architecture,
+another algorithm, a truncated file, another format version) -> one warning, fresh weights.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from vllm_onlinespec.config import OnlineSpecConfig
+from vllm_onlinespec.drafter import DFlashConfig, DFlashDrafter, LengthHead, load_drafter, save_drafter
+from vllm_onlinespec.learner import checkpoint as ckpt
+from vllm_onlinespec.learner.buffer import FeedbackRecord
+from vllm_onlinespec.learner.factory import build_learner
+from vllm_onlinespec.learner.resume import resume_or_fresh
+
+H, V = 32, 50
+
+
+def write_drafter(path, *, layers=1, block_size=8, head=False, seed=0):
+    cfg = DFlashConfig(hidden_size=H, intermediate_size=64, num_hidden_layers=layers,
+                       num_attention_heads=4, num_key_value_heads=2, head_dim=8, vocab_size=V,
+                       target_layer_ids=[0, 1], mask_token_id=0, block_size=block_size,
+                       rope_theta=10000.0, torch_dtype="float32")
+    torch.manual_seed(seed)
+    save_drafter(path, cfg, DFlashDrafter(cfg), LengthHead(H) if head else None)
+    return str(path)
+
+
+def targets():
+    g = torch.Generator().manual_seed(1)
+    return torch.randn(V, H, generator=g), torch.randn(V, H, generator=g)
+
+
+def cfg(**kw):
+    base = dict(lr=1e-3, min_new_tokens_per_update=1, batch_blocks=4, anchors_per_request=4)
+    base.update(kw)
+    return OnlineSpecConfig.from_any(base)
+
+
+def feed(buffer, K, steps=8):
+    g = torch.Generator().manual_seed(2)
+    P = 9
+
+    def push(start, n, drafted):
+        buffer.push(FeedbackRecord("r", torch.randint(1, V, (n,), generator=g), start,
+                                   torch.randn(n, 2 * H, generator=g), torch.randn(n, H, generator=g),
+                                   drafted, min(drafted, n - 1)))
+
+    push(0, P, 0)
+    pos = P
+    for _ in range(steps):
+        push(pos, K + 1, K)
+        pos += K + 1
+
+
+def test_learner_trains_the_K_vllm_serves_not_the_drafters_block_size(tmp_path):
+    """A b8 drafter (7 draft tokens) served with K = 3: blocks carry 3 labels, the head's
+    label divides by K + 1, and checkpoints keep the drafter's own block_size."""
+    K = 3
+    path = write_drafter(tmp_path / "d", block_size=8, head=True)
+    seen = []
+    parts = build_learner(cfg(), path, *targets(), K, train_length_head=True)
+    assert parts.config.block_size == 8 and parts.trained_config.block_size == K + 1
+    assert parts.bundle.drafter.config.num_draft_tokens == K
+    objective = parts.learner.loss_fn
+
+    def spy(model, batch):
+        loss, st = objective(model, batch)
+        seen.append(st)
+        return loss, st
+
+    parts.learner.loss_fn = spy
+    feed(parts.buffer, K)
+    assert parts.learner.sync_step() == "updated"
+    assert set(k for k in seen[0] if k.startswith("match_")) == {f"match_{i + 1}" for i in range(K)}
+    out = parts.learner.save_checkpoint(tmp_path / "ck")
+    assert json.loads((out / "model" / "config.json").read_text())["block_size"] == 8
+
+
+def test_length_head_rules(tmp_path):
+    """train=false keeps a shipped head frozen; policy fixed trains and uses no head; a fresh
+    head is trained but not trusted; a shipped head is trusted."""
+    from vllm_onlinespec.serving.session import OnlineSession
+
+    shipped = write_drafter(tmp_path / "with-head", head=True)
+    bare = write_drafter(tmp_path / "no-head")
+
+    def build(path, **length_head):
+        s = object.__new__(OnlineSession)
+        s.cfg, s.K, s.parts = cfg(length_head=length_head), 4, None
+        emb, lm = targets()
+        runner = SimpleNamespace(model=SimpleNamespace(
+            model=SimpleNamespace(embed_tokens=SimpleNamespace(weight=emb)),
+            lm_head=SimpleNamespace(weight=lm)))
+        head, trusted = OnlineSession._build(s, runner, path)
+        return s.parts.bundle.length_head, head, trusted
+
+    trained, head, trusted = build(shipped, policy="adaflash", train=False)
+    assert trained is None and head is not None and trusted
+    trained, head, trusted = build(shipped, policy="fixed", train=True)
+    assert trained is None and head is None
+    trained, head, trusted = build(bare, policy="budget", train=True)
+    assert trained is not None and head is trained and not trusted
+    trained, head, trusted = build(shipped, policy="adaflash", train=True)
+    assert trained is not None and head is trained and trusted
+
+
+# -- resume ----------------------------------------------------------------------------------------
+
+def fresh_learner(tmp_path, **kw):
+    path = write_drafter(tmp_path / "start", layers=kw.pop("layers", 1))
+    return build_learner(cfg(**kw), path, *targets(), 3, train_length_head=False).learner
+
+
+def state_of(learner):
+    return ckpt.state_digest(dict(zip(learner.names, learner.params))), \
+        ckpt.state_digest({f"s{i}": t for i, t in enumerate(
+            v for v in _tensors(learner.algo.state_dict()))})
+
+
+def _tensors(obj):
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif isinstance(obj, dict):
+        for k in sorted(obj, key=str):
+            yield from _tensors(obj[k])
+    elif isinstance(obj, (list, tuple)):
+        for x in obj:
+            yield from _tensors(x)
+
+
+def saved_checkpoint(tmp_path, **kw):
+    other = tmp_path / "other"
+    other.mkdir()
+    lr = fresh_learner(other, **kw)
+    return lr.save_checkpoint(tmp_path / "ck")
+
+
+def _break(case, tmp_path):
+    if case == "architecture":
+        return saved_checkpoint(tmp_path, layers=2)
+    if case == "algorithm":
+        return saved_checkpoint(tmp_path, algorithm="optimistic")
+    p = saved_checkpoint(tmp_path)
+    if case == "truncated":
+        f = p / ckpt.MODEL_FILE
+        f.write_bytes(f.read_bytes()[:100])
+    elif case == "version":
+        m = json.loads((p / ckpt.MARKER).read_text())
+        m["format"] = 99
+        (p / ckpt.MARKER).write_text(json.dumps(m))
+    return p
+
+
+@pytest.mark.parametrize("case", ["architecture", "algorithm", "truncated", "version"])
+def test_unusable_checkpoint_means_one_warning_and_a_fresh_start(tmp_path, case, caplog):
+    _break(case, tmp_path)
+    lr = fresh_learner(tmp_path)
+    before = state_of(lr)
+    with caplog.at_level(logging.WARNING):
+        r = resume_or_fresh(lr, tmp_path / "ck")
+    # One record (a handler may see it twice when vLLM's handlers also reach caplog's).
+    warnings = list({id(x): x for x in caplog.records if x.levelno >= logging.WARNING}.values())
+    assert len(warnings) == 1 and "starting fresh" in warnings[0].getMessage(), \
+        [w.getMessage() for w in warnings]
+    assert r.path is None and r.version == 0 and len(r.skipped) == 1
+    assert state_of(lr) == before and lr.published_version == 0
+    assert lr.sync_step() in ("no_batch", "updated")  # still a working learner
+
+
+def test_a_good_checkpoint_resumes_silently(tmp_path, caplog):
+    p = saved_checkpoint(tmp_path)
+    lr = fresh_learner(tmp_path)
+    with caplog.at_level(logging.WARNING):
+        r = resume_or_fresh(lr, tmp_path / "ck")
+    assert r.path == p and not [x for x in caplog.records if x.levelno >= logging.WARNING]
+    assert resume_or_fresh(lr, tmp_path / "empty").path is None  # nothing there: no warning

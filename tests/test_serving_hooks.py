@@ -1,0 +1,373 @@
+"""The serving hooks without an engine: fake vLLM runners, views and sessions.
+
+The guard rule (serving/guard.py): our exceptions are counted and vLLM's step goes on with
+vLLM's own result; vLLM's exceptions reach vLLM unchanged. after_step's three stages (feedback,
+publish, metrics) fail independently. Records carry the version that drafted them; the head is
+refreshed from the snapshot that was published. serving/feedback.py's row arithmetic.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from vllm_onlinespec.config import LengthHeadConfig
+from vllm_onlinespec.policy.cutter import DraftCutter
+from vllm_onlinespec.serving import guard as G
+from vllm_onlinespec.serving.compat.step_view import StepView
+from vllm_onlinespec.serving.guard import HookGuard
+
+
+# -- the runner mixin over a fake vLLM runner ----------------------------------------------------
+
+class VllmError(RuntimeError):
+    pass
+
+
+class FakeVllmRunner:
+    """Stands in for vLLM's V1 runner: returns sentinels, raises on request."""
+
+    raise_in: set[str] = set()
+
+    def __init__(self) -> None:
+        self.raise_in = set()
+        self.drafts = SimpleNamespace(draft_token_ids=[[1, 2, 3], [4, 5, 6]])
+
+    def _maybe(self, name: str) -> None:
+        if name in self.raise_in:
+            raise VllmError(name)
+
+    def execute_model(self, scheduler_output, *a, **k):
+        self._maybe("execute_model")
+        return "exec-out"
+
+    def _sample(self, logits, meta):
+        self._maybe("_sample")
+        return SimpleNamespace(sampled_token_ids=[[1, -1]])
+
+    def propose_draft_token_ids(self, *a, **k):
+        self._maybe("propose")
+        return "proposed"
+
+    def sample_tokens(self, grammar_output):
+        self._maybe("sample_tokens")
+        self._sample(None, None)
+        return "sampled-out"
+
+    def take_draft_token_ids(self):
+        self._maybe("take")
+        return self.drafts
+
+
+class RaisingSession:
+    """Every session method the runner calls raises (our bug)."""
+
+    def __getattr__(self, name):
+        def boom(*a, **k):
+            raise ZeroDivisionError(f"ours: {name}")
+
+        return boom
+
+
+class BrokenProfile:
+    """A step profile whose every attribute access raises."""
+
+    def __getattr__(self, name):
+        raise ZeroDivisionError(f"profile.{name}")
+
+
+@pytest.fixture
+def runner():
+    from vllm_onlinespec.serving.runner import runner_class
+
+    r = runner_class(FakeVllmRunner)()
+    r._onlinespec_init()
+    return r
+
+
+def _drive(r):
+    so = SimpleNamespace(total_num_scheduled_tokens=3)
+    return (r.execute_model(so), r.propose_draft_token_ids(), r.sample_tokens(None),
+            r.take_draft_token_ids())
+
+
+def test_our_exceptions_in_every_hook_are_counted_and_vllm_results_returned(runner):
+    runner._onlinespec = RaisingSession()
+    drafts_before = [list(d) for d in runner.drafts.draft_token_ids]
+    out = _drive(runner)
+    assert out[:3] == ("exec-out", "proposed", "sampled-out")
+    assert out[3] is runner.drafts and out[3].draft_token_ids == drafts_before  # uncut
+    errors = runner.onlinespec_guard().errors
+    for hook in (G.SAMPLE, G.CAPTURE, G.FEEDBACK, G.CUT):
+        assert errors[hook] >= 1, (hook, errors)
+
+
+def test_a_broken_profile_never_changes_a_step(runner):
+    runner._onlinespec_profile = BrokenProfile()
+    assert _drive(runner)[:3] == ("exec-out", "proposed", "sampled-out")
+    errors = runner.onlinespec_guard().errors
+    for hook in (G.EXECUTE_MODEL, G.SAMPLE, G.PROPOSE):
+        assert errors[hook] >= 1, (hook, errors)
+
+
+@pytest.mark.parametrize("where", ["execute_model", "_sample", "propose", "sample_tokens", "take"])
+def test_vllm_exceptions_propagate_unchanged(runner, where):
+    runner.raise_in = {where}
+    with pytest.raises(VllmError) as e:
+        if where == "_sample":
+            runner._sample(None, None)
+        else:
+            _drive(runner)
+    assert str(e.value) == where
+    assert runner.onlinespec_guard().total_errors == 0  # not ours: never counted, never eaten
+
+
+def test_guard_counts_exceptions_but_not_keyboard_interrupt():
+    g = HookGuard()
+    with g("x"):
+        raise ValueError("ours")
+    assert g.errors == {"x": 1}
+    with pytest.raises(KeyboardInterrupt):
+        with g("x"):
+            raise KeyboardInterrupt
+
+
+# -- after_step without an engine ----------------------------------------------------------------
+
+def make_view(num_draft=(3, 0), sched=(4, 2)) -> StepView:
+    n = sum(sched)
+    H = 4
+    return StepView(req_ids=["a", "b"], num_scheduled=list(sched),
+                    input_ids=torch.arange(100, 100 + n), positions=torch.cat(
+                        [torch.arange(10, 10 + sched[0]), torch.arange(0, sched[1])]),
+                    hidden_states=torch.randn(n, H), aux_hidden_states=[torch.randn(n, H)] * 2,
+                    num_draft_tokens=list(num_draft), finished_req_ids=set())
+
+
+class FakePublisher:
+    def __init__(self):
+        self.version = 0
+        self.count = 0
+        self.last_ms = self.total_ms = 0.0
+        self.got: list[tuple] = []
+
+    def publish(self, latest):
+        if latest[0] <= self.version:
+            return False
+        self.got.append(latest)
+        self.version = latest[0]
+        self.count += 1
+        return True
+
+
+class FakeLearner:
+    """latest() returns a newer version on every call: a learner racing the serving thread."""
+
+    def __init__(self):
+        self.calls = 0
+
+    def latest(self):
+        self.calls += 1
+        return self.calls, {"length_head.x": torch.tensor(float(self.calls))}
+
+    def notify(self):
+        pass
+
+    def stats(self):
+        return {}
+
+
+class FakeBuffer:
+    def __init__(self):
+        self.records = []
+
+    def push(self, rec):
+        self.records.append(rec)
+
+    def finish(self, rid):
+        pass
+
+
+class FakeMetrics:
+    def __init__(self):
+        self.writes = 0
+
+    def due(self):
+        return True
+
+    def write(self, stats, info):
+        self.writes += 1
+
+
+class RecordingCutter:
+    def __init__(self):
+        self.refreshed: list[tuple] = []
+        self.observed = 0
+
+    def observe(self, drafted, accepted):
+        self.observed += 1
+
+    def refresh(self, snapshot, version):
+        self.refreshed.append((version, float(snapshot["length_head.x"])))
+
+
+def bare_session(**over):
+    from vllm_onlinespec.serving.session import OnlineSession
+
+    s = object.__new__(OnlineSession)
+    s.guard = HookGuard()
+    s.steps = 0
+    s._drafted_by = 0
+    s.tracer = None
+    s.publisher = FakePublisher()
+    s.metrics = FakeMetrics()
+    s.cutter = RecordingCutter()
+    buf, lr = FakeBuffer(), FakeLearner()
+    s.parts = SimpleNamespace(learner=lr, buffer=buf)
+    s.stats = lambda: None
+    s.info = lambda: {}
+    for k, v in over.items():
+        setattr(s, k, v)
+    return s
+
+
+def _boom(*a, **k):
+    raise ZeroDivisionError("injected")
+
+
+@pytest.mark.parametrize("stage", ["_feedback", "_publish", "_write_metrics"])
+def test_after_step_stages_fail_independently(stage):
+    s = bare_session()
+    setattr(s, stage, _boom)
+    for _ in range(3):
+        s.after_step(None, make_view(), [[7, 8, -1, -1], [9, -1, -1, -1]])
+    name = {"_feedback": G.FEEDBACK, "_publish": G.PUBLISH, "_write_metrics": G.METRICS}[stage]
+    assert s.guard.errors == {name: 3}
+    if stage != "_feedback":
+        assert len(s.parts.buffer.records) == 6 and s.cutter.observed == 3
+    if stage != "_publish":
+        assert s.publisher.count == 3  # a failing feedback stage no longer stops publishing
+    if stage != "_write_metrics":
+        assert s.metrics.writes == 3
+
+
+def test_records_carry_the_version_that_drafted_them_and_head_refreshes_from_the_published():
+    s = bare_session()
+    tags = []
+    for _ in range(3):
+        s.after_step(None, make_view(), [[7, 8, -1, -1], [9, -1, -1, -1]])
+        tags.append([r.drafter_version for r in s.parts.buffer.records[-2:]])
+    # step 1 verifies drafts of the initial weights (0); each step publishes the learner's next
+    # version after its own drafts were proposed, so step n's verified drafts came from n - 2.
+    assert tags == [[0, 0], [0, 0], [1, 1]]
+    # the head saw exactly what vLLM got, not a newer latest()
+    assert s.cutter.refreshed == [(v, float(v)) for v, _ in s.publisher.got]
+
+
+def test_skips_are_counted():
+    s = bare_session()
+    s.after_step(None, make_view(), None)
+    assert s.guard.skips == {G.NO_SAMPLER_OUTPUT: 1}
+    drafts = SimpleNamespace(draft_token_ids=torch.tensor([[1, 2]]))
+    assert s.cut_drafts(drafts) is drafts
+    assert s.guard.skips[G.NON_LIST_DRAFTS] == 1
+
+
+def test_capture_counts_a_missing_step_view():
+    from vllm_onlinespec.serving.session import OnlineSession
+
+    s = bare_session()
+    s.tracer = object()  # wants feedback
+    assert OnlineSession.capture(s, SimpleNamespace(execute_model_state=None)) is None
+    assert s.guard.skips == {G.NO_STEP_VIEW: 1}
+
+
+# -- serving/feedback.py -------------------------------------------------------------------------
+
+def test_records_from_step_keep_committed_rows_only():
+    from vllm_onlinespec.serving.feedback import committed_rows, records_from_step
+
+    v = make_view(num_draft=(3, 0), sched=(4, 2))  # a: last token + 3 drafts; b: prefill chunk
+    accepted = [1, 0]
+    assert committed_rows(v, accepted) == [(0, 2), (4, 2)]
+    recs = records_from_step(v, accepted, version=5)
+    a, b = recs
+    assert (a.req_id, a.start_pos, a.num_draft, a.num_accepted, a.drafter_version) == ("a", 10, 3, 1, 5)
+    assert a.token_ids.tolist() == [100, 101] and b.token_ids.tolist() == [104, 105]
+    assert (b.start_pos, b.num_draft, b.num_accepted) == (0, 0, 0)
+    assert torch.equal(a.aux, torch.cat([v.aux_hidden_states[0][:2]] * 2, dim=-1))
+    assert torch.equal(b.target_hidden, v.hidden_states[4:6])
+    # a request with every draft rejected commits its first row only; no aux -> no records
+    assert [r.token_ids.tolist() for r in records_from_step(v, [0, 0], 0)] == [[100], [104, 105]]
+    v.aux_hidden_states = None
+    assert records_from_step(v, accepted, 0) == []
+
+
+# -- the draft cutter ----------------------------------------------------------------------------
+
+class ConstHead(torch.nn.Module):
+    def __init__(self, r: float):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.tensor(r))
+
+    def forward(self, h):
+        return self.w.expand(h.shape[0])
+
+
+K = 4
+
+
+def cutter(policy="adaflash", **kw):
+    return DraftCutter(LengthHeadConfig(policy=policy, rho=1.0), K, **kw)
+
+
+def _cut(c, B=2, hidden=True):
+    if hidden:
+        c.observe_hidden(torch.randn(B * K, 8))
+    return c.cut([[1, 2, 3, 4]] * B)
+
+
+def test_an_untrained_head_does_not_cut_until_warmed_up():
+    c = cutter(head=ConstHead(0.2), head_trusted=False, warmup_versions=3)
+    assert c.head_state == "warming"
+    assert _cut(c) == [[1, 2, 3, 4]] * 2  # no prediction, no population yet: full drafts
+    assert "0 head" in c.last_reason
+    c.refresh({"length_head.w": torch.tensor(0.2)}, version=3)
+    assert c.head_state == "on"
+    assert _cut(c) == [[1]] * 2 and "2 head" in c.last_reason  # round(0.2 * 4) = 1
+
+
+def test_a_shipped_head_cuts_from_the_first_step_and_fixed_never_consults_one():
+    c = cutter(head=ConstHead(0.5), head_trusted=True)
+    assert _cut(c) == [[1, 2]] * 2
+    f = cutter("fixed", head=ConstHead(0.2), head_trusted=True)
+    assert not f.needs_hidden and f.head_state == "off"
+    assert _cut(f) == [[1, 2, 3, 4]] * 2 and f.verified == f.drafted == 8
+
+
+def test_missing_hidden_states_are_a_counted_skip():
+    skips = []
+    c = cutter(head=ConstHead(0.5), head_trusted=True, on_skip=skips.append)
+    assert _cut(c, hidden=False) == [[1, 2, 3, 4]] * 2
+    assert skips == [G.NO_DRAFT_HIDDEN]
+
+
+def test_wrap_draft_sampler_says_when_it_found_nothing():
+    from vllm_onlinespec.serving import compat
+
+    assert compat.wrap_draft_sampler(SimpleNamespace(drafter=None), lambda h: None) is False
+    seen = []
+    drafter = SimpleNamespace(_sample_draft_tokens=lambda h, m: ("sampled", h))
+    assert compat.wrap_draft_sampler(SimpleNamespace(drafter=drafter), seen.append) is True
+    assert drafter._sample_draft_tokens("H", None) == ("sampled", "H") and seen == ["H"]
+
+
+def test_observe_draft_hidden_never_raises_into_vllms_drafter():
+    from vllm_onlinespec.serving.session import OnlineSession
+
+    s = bare_session()
+    s.cutter = SimpleNamespace(observe_hidden=_boom)
+    OnlineSession.observe_draft_hidden(s, torch.zeros(1))
+    assert s.guard.errors == {G.DRAFT_HIDDEN: 1}

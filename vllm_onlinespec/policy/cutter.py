@@ -1,0 +1,129 @@
+"""The draft cutter: the length head -> the verify-length policy -> each request's cut draft.
+
+One object per engine, driven by the serving layer at three points of a step:
+
+    observe_hidden(h)   inside vLLM's drafter, the mask rows' final hidden states [B*K, H]
+    cut(drafts)         before verification: each request's draft cut to the policy's length
+                        (a prefix of what was drafted: lossless)
+    observe(d, a)       after verification: drafted / accepted per request (policy statistics)
+    refresh(snap, v)    after a publish: the length head's weights from that same snapshot
+
+Which head, if any, predicts: a head shipped by the drafter checkpoint is trusted from step 1;
+a head created fresh for online training is random at first, so it is not consulted until the
+learner has published `HEAD_WARMUP_VERSIONS` versions that trained it (until then the policy
+uses its population estimate, as without a head). Policy `fixed` never consults a head.
+No vLLM import here: the serving layer guards every call.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Mapping
+
+import torch
+from torch import nn
+
+from vllm_onlinespec.policy.budget import StepCostModel
+from vllm_onlinespec.policy.verify_length import make_policy
+
+HEAD_WARMUP_VERSIONS = 50
+LENGTH_HEAD_PREFIX = "length_head."
+
+
+class DraftCutter:
+    def __init__(self, length_cfg: Any, K: int, *, head: nn.Module | None = None,
+                 head_trusted: bool = False, cost_model: StepCostModel | None = None,
+                 on_skip: Callable[[str], None] | None = None,
+                 warmup_versions: int = HEAD_WARMUP_VERSIONS) -> None:
+        """K: vLLM's num_speculative_tokens (draft tokens per request per step).
+        head: the length head to predict with (a private copy is kept), or None.
+        head_trusted: True for a head that came trained (a checkpoint's), False for one being
+        trained online from random weights."""
+        self.K = K
+        self.policy_name = length_cfg.policy
+        self.policy = make_policy(length_cfg, cost_model or StepCostModel())
+        fixed = self.policy_name == "fixed"
+        self.head = None if fixed or head is None else _frozen_copy(head)
+        self.head_trusted = head_trusted
+        self.warmup_versions = warmup_versions
+        self.head_version = 0
+        self.on_skip = on_skip or (lambda reason: None)
+        self.drafted = self.verified = 0
+        self.last_reason = ""
+        self._hidden: torch.Tensor | None = None
+
+    # -- what the serving layer asks -----------------------------------------------------------
+    @property
+    def needs_hidden(self) -> bool:
+        """Whether vLLM's drafter must hand over its hidden states (a head that may predict)."""
+        return self.head is not None
+
+    @property
+    def head_in_use(self) -> bool:
+        return self.head is not None and (self.head_trusted
+                                          or self.head_version >= self.warmup_versions)
+
+    @property
+    def head_state(self) -> str:
+        if self.head is None:
+            return "off"
+        return "on" if self.head_in_use else "warming"
+
+    @property
+    def cost_model(self) -> StepCostModel | None:
+        return getattr(self.policy, "cost_model", None)
+
+    def describe(self) -> str:
+        return f"{self.policy.describe()}; length head: {self.head_state}"
+
+    # -- a step ----------------------------------------------------------------------------------
+    def observe_hidden(self, hidden: torch.Tensor) -> None:
+        if self.head is not None:
+            self._hidden = hidden
+
+    def cut(self, drafts: list[list[int]]) -> list[list[int]]:
+        """Each request's draft cut to the policy's verify length (new lists; drafts unchanged)."""
+        hidden, self._hidden = self._hidden, None
+        drafted = [len(d) for d in drafts]
+        self.drafted += sum(drafted)
+        if self.policy_name == "fixed" or not drafts:
+            self.verified += sum(drafted)
+            return drafts
+        B = len(drafts)
+        pred = None
+        if self.head_in_use:
+            if hidden is not None and hidden.shape[0] == B * self.K:
+                with torch.inference_mode():
+                    pred = self.head(hidden.float().view(B, self.K, -1)).tolist()
+            else:
+                self.on_skip("no_draft_hidden")
+        lengths, reason = self.policy.lengths(pred, self.K, B)
+        out = [d[: min(len(d), n)] for d, n in zip(drafts, lengths)]
+        self.last_reason = reason
+        self.verified += sum(len(d) for d in out)
+        return out
+
+    def observe(self, drafted: list[int] | None, accepted: list[int]) -> None:
+        if drafted is None:
+            return
+        self.policy.observe([d for d in drafted if d], [a for d, a in zip(drafted, accepted) if d])
+
+    def observe_step_cost(self, tokens: int, seconds: float) -> None:
+        cm = self.cost_model
+        if cm is not None:
+            cm.observe(tokens, seconds)
+
+    def refresh(self, snapshot: Mapping[str, torch.Tensor], version: int) -> None:
+        """The head's weights from the snapshot that was just published (version `version`)."""
+        if self.head is None:
+            return
+        state = {k[len(LENGTH_HEAD_PREFIX):]: v for k, v in snapshot.items()
+                 if k.startswith(LENGTH_HEAD_PREFIX)}
+        if state:
+            self.head.load_state_dict(state)
+            self.head_version = version
+
+
+def _frozen_copy(head: nn.Module) -> nn.Module:
+    import copy
+
+    return copy.deepcopy(head).to(torch.float32).eval().requires_grad_(False)

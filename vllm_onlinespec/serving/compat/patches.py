@@ -1,0 +1,142 @@
+"""Process-wide changes to vLLM, and which process gets which (vLLM 0.32.0).
+
+The general plugin calls `apply_patches()` in every vLLM process. What it installs there:
+
+  logging        our records go to vLLM's handlers                          every process
+  CPU sampling   cpu_defects.py, via the platform's kernel-override hook     every engine on CPU
+  DFlash k-norm  per-layer context-key norm (design §5.1)                   every engine on CPU
+  EngineArgs     worker selection, start-up validation, Intel OpenMP        every process, but a
+                 pass-through unless the engine asks for onlinespec
+
+The first three are vLLM correctness fixes that any user of a DFlash or sampling engine on CPU
+needs, so they stay on for everyone. The EngineArgs hook has to see every engine's arguments to
+notice `additional_config["onlinespec"]`, and changes nothing for the others. The Linear
+plain-weights patch only matters to an engine that republishes draft weights, so it is installed
+by our runner (`drafter.wrap_drafter_load`) in SpecDecodeWorker processes only.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from vllm_onlinespec.serving.compat import vllm_config as vc
+
+logger = logging.getLogger("vllm_onlinespec")
+_patched = False
+
+
+def apply_patches() -> None:
+    """Idempotent; cheap until vLLM's model modules are imported by vLLM itself."""
+    global _patched
+    if _patched:
+        return
+    _patched = True
+    share_vllm_logging()
+    _fix_cpu_sampling_defects()
+    _fix_dflash_grouped_k_norm()
+    _select_worker_and_validate_config()
+
+
+class _ToVllmLogger(logging.Handler):
+    """Hands our records to the `vllm` logger at emit time: vLLM configures its handlers late
+    (logger.py:289), after this plugin has run."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        # vLLM's handlers directly, not the `vllm` logger: no second trip up to the root.
+        for h in logging.getLogger("vllm").handlers:
+            if record.levelno >= h.level:
+                h.handle(record)
+
+
+def share_vllm_logging() -> None:
+    """Our log lines (learner, publishes, policy) go where vLLM's go, in its format."""
+    ours = logging.getLogger("vllm_onlinespec")
+    if not any(isinstance(h, _ToVllmLogger) for h in ours.handlers):
+        ours.addHandler(_ToVllmLogger())
+        ours.setLevel(logging.INFO)
+        # Still propagate: the root logger normally has no handlers (so nothing is printed
+        # twice), and an application's or pytest's handlers there keep seeing our records.
+
+
+def _fix_cpu_sampling_defects() -> None:
+    """vLLM-CPU's expand kernel fallback and seeded-generator rewind (cpu_defects.py): fixed
+    in each worker process when its probes find them, for every user of the engine."""
+    from vllm.platforms import current_platform
+
+    if current_platform.is_cpu():
+        from vllm_onlinespec.serving import cpu_defects
+
+        cpu_defects.install(type(current_platform))
+
+
+def _fix_dflash_grouped_k_norm() -> None:
+    """qwen3_dflash.py:639 normalises all layers' context keys with one `ops.rms_norm` call and
+    per-layer weights [L, hd]; the CPU op applies layer 0's weight to every layer (invisible with
+    all-ones fresh weights, 0.75 % error with trained ones). Normalise one layer at a time."""
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        return
+    from vllm.model_executor.models import qwen3_dflash
+
+    ops = qwen3_dflash.ops
+
+    def _normalize_context_k(self, all_k: torch.Tensor) -> torch.Tensor:
+        out = torch.empty_like(all_k)
+        for i in range(all_k.shape[0]):
+            ops.rms_norm(out[i], all_k[i], self._k_norm_weights[i].contiguous(), self._rms_norm_eps)
+        return out
+
+    qwen3_dflash.DFlashQwen3Model._normalize_context_k = _normalize_context_k
+
+
+def _select_worker_and_validate_config() -> None:
+    """`additional_config={"onlinespec": {...}}` alone turns the worker on, and a bad config
+    stops start-up in the calling process with one line naming the field, before any engine
+    process is spawned (EngineArgs.create_engine_config, arg_utils.py:2205). Engines that do not
+    ask for onlinespec get vLLM's config untouched."""
+    from vllm.engine.arg_utils import EngineArgs
+
+    if getattr(EngineArgs, "_onlinespec_wrapped", False):
+        return
+    orig = EngineArgs.create_engine_config
+
+    def create_engine_config(self, *args, **kwargs):
+        requested = vc.ours_requested(self)
+        # Before vLLM's CPU platform picks an OpenMP runtime for the workers it will spawn.
+        if requested:
+            preload_intel_openmp()
+        vllm_config = orig(self, *args, **kwargs)
+        if not requested:
+            return vllm_config
+        pc = vllm_config.parallel_config
+        ours = pc.worker_cls in vc.WORKER_NAMES
+        if "onlinespec" in vc.additional_config(vllm_config) and pc.worker_cls in vc.DEFAULT_WORKERS:
+            pc.worker_cls, ours = vc.WORKER_QUALNAME, True
+        if ours:
+            from vllm_onlinespec.serving.validate import config_from_vllm
+
+            config_from_vllm(vllm_config)
+        return vllm_config
+
+    EngineArgs.create_engine_config = create_engine_config
+    EngineArgs._onlinespec_wrapped = True
+
+
+_iomp_logged = False
+
+
+def preload_intel_openmp() -> None:
+    global _iomp_logged
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        return
+    from vllm_onlinespec.serving import openmp
+
+    decision = openmp.apply_for_speculative_engine()
+    if not _iomp_logged:
+        _iomp_logged = True
+        logger.info(decision.line())

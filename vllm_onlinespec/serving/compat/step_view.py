@@ -1,0 +1,67 @@
+"""Reading one engine step: runner state between execute_model and sample_tokens (V1 runner)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+
+@dataclass
+class StepView:
+    """What one target step saw, in input_batch row order. Tensors are views: clone to keep."""
+
+    req_ids: list[str]
+    num_scheduled: list[int]  # rows per request in the flattened batch
+    input_ids: torch.Tensor  # [num_tokens]
+    positions: torch.Tensor  # [num_tokens]
+    hidden_states: torch.Tensor  # [num_tokens, H], post final norm
+    aux_hidden_states: list[torch.Tensor] | None  # n_layers x [num_tokens, H]
+    num_draft_tokens: list[int] | None  # per request, None when nobody had drafts
+    finished_req_ids: set[str]
+
+
+def step_view(runner: Any) -> StepView | None:
+    """None when the runner kept no state for this step (gpu_model_runner.py:451 is only set
+    by a step that ran the model): the caller counts that as a skipped step."""
+    state = getattr(runner, "execute_model_state", None)
+    if state is None:
+        return None
+    so = state.scheduler_output
+    req_ids = list(runner.input_batch.req_ids)
+    num_scheduled = [int(so.num_scheduled_tokens.get(r, 0)) for r in req_ids]
+    n = sum(num_scheduled)
+    sdm = state.spec_decode_metadata
+    return StepView(
+        req_ids=req_ids,
+        num_scheduled=num_scheduled,
+        input_ids=_rows(runner.input_ids, n),
+        positions=_rows(runner.positions, n),
+        hidden_states=state.hidden_states[:n],
+        aux_hidden_states=[h[:n] for h in state.aux_hidden_states] if state.aux_hidden_states else None,
+        num_draft_tokens=list(sdm.num_draft_tokens) if sdm is not None else None,
+        finished_req_ids=set(getattr(so, "finished_req_ids", ()) or ()),
+    )
+
+
+def _rows(buf: Any, n: int) -> torch.Tensor:
+    """First n rows of a runner buffer: a CpuGpuBuffer (use its host side) or a plain tensor."""
+    return (buf.cpu if hasattr(buf, "cpu") and not isinstance(buf, torch.Tensor) else buf)[:n]
+
+
+def accepted_counts(sampled_token_ids: torch.Tensor | list, num_draft: list[int] | None) -> list[int]:
+    """Accepted draft tokens per request: entries != -1 in the sampler's row, minus the bonus."""
+    if isinstance(sampled_token_ids, torch.Tensor):
+        valid = (sampled_token_ids != -1).sum(dim=1).tolist()
+    else:
+        valid = [sum(1 for t in row if t != -1) for row in sampled_token_ids]
+    if num_draft is None:
+        return [0] * len(valid)
+    return [max(0, min(v - 1, d)) for v, d in zip(valid, num_draft)]
+
+
+def draft_token_ids_type() -> type:
+    from vllm.v1.outputs import DraftTokenIds
+
+    return DraftTokenIds

@@ -1,0 +1,45 @@
+"""Reading vLLM's engine configuration (VllmConfig / EngineArgs attributes we rely on)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+WORKER_QUALNAME = "vllm_onlinespec.SpecDecodeWorker"
+WORKER_NAMES = (WORKER_QUALNAME, "vllm_onlinespec.serving.worker.SpecDecodeWorker")
+# What the platforms put in parallel_config.worker_cls when the user chose none (cpu.py:344).
+DEFAULT_WORKERS = ("auto", "vllm.v1.worker.cpu_worker.CPUWorker", "vllm.v1.worker.gpu_worker.Worker")
+
+
+def additional_config(vllm_config: Any) -> dict:
+    extra = getattr(vllm_config, "additional_config", None) or {}
+    return dict(extra) if isinstance(extra, dict) else {}
+
+
+def num_speculative_tokens(vllm_config: Any) -> int:
+    """vLLM's K: draft tokens proposed per request per step (the only K vLLM 0.32 reads)."""
+    spec = getattr(vllm_config, "speculative_config", None)
+    return int(getattr(spec, "num_speculative_tokens", 0) or 0) if spec is not None else 0
+
+
+def draft_model_path(vllm_config: Any) -> str | None:
+    spec = getattr(vllm_config, "speculative_config", None)
+    cfg = getattr(spec, "draft_model_config", None)
+    return getattr(cfg, "model", None) if cfg is not None else None
+
+
+def spec_method(vllm_config: Any) -> str | None:
+    spec = getattr(vllm_config, "speculative_config", None)
+    return getattr(spec, "method", None) if spec is not None else None
+
+
+def ours_requested(engine_args: Any) -> bool:
+    """This project's speculative decoding, read from EngineArgs before the config is built."""
+    extra = getattr(engine_args, "additional_config", None) or {}
+    worker = getattr(engine_args, "worker_cls", None)
+    return (isinstance(extra, dict) and "onlinespec" in extra) or worker in WORKER_NAMES
+
+
+def use_v2_runner() -> bool:
+    import vllm.envs as envs
+
+    return bool(getattr(envs, "VLLM_USE_V2_MODEL_RUNNER", False))

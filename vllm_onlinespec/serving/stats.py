@@ -1,0 +1,144 @@
+"""The worker's figures as ONE typed record, read by attribute everywhere.
+
+Produced by `OnlineSession.stats()` in the worker; crosses the process boundary as a plain dict
+(`dataclasses.asdict`, for `collective_rpc("onlinespec_stats")` and the metrics file) and is
+parsed back with `OnlineSpecStats.from_dict` by every reader (metrics collector, bench, tests,
+examples), so a misspelt field is an AttributeError, never a silent 0. No vLLM import here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+NAN = float("nan")
+
+
+def _build(cls: type, d: Mapping[str, Any] | None) -> Any:
+    """cls from the fields of d; fields d lacks keep their defaults (a newer reader of an older
+    file), keys cls does not know are ignored (an older reader of a newer file)."""
+    if d is None:
+        return None
+    names = {f.name for f in dataclasses.fields(cls)}
+    return cls(**{k: v for k, v in d.items() if k in names})
+
+
+@dataclass
+class LearnerStats:
+    """OnlineLearner.stats(): one online update's outcome and the learner's counters."""
+
+    version: int = 0
+    updates: int = 0
+    attempts: int = 0
+    errors: int = 0
+    skipped_nonfinite: int = 0
+    checkpoint_errors: int = 0
+    last_loss: float = NAN
+    loss_ema: float = NAN
+    update_ms: float = NAN
+    update_ms_ema: float = NAN
+    grad_norm: float = NAN
+    busy_s: float = 0.0
+    running: bool = False
+    last_error: str | None = None
+    fresh_trainable: int = 0  # fresh tokens the next update could use (held-back ones excluded)
+    caught_up: bool = True  # fresh_trainable < min_new_tokens_per_update: no update until more
+    hedge_weights: list[float] | None = None
+    loss: dict[str, float] = field(default_factory=dict)  # the loss function's own statistics
+
+    @classmethod
+    def from_learner(cls, d: Mapping[str, Any]) -> "LearnerStats":
+        loss = {k.removeprefix("loss/"): float(v) for k, v in d.items() if k.startswith("loss/")}
+        return dataclasses.replace(_build(cls, d), loss=loss)
+
+
+@dataclass
+class BufferStats:
+    """FeedbackBuffer.stats(): what the bounded feedback buffer holds and has seen (tokens)."""
+
+    size: int = 0
+    records: int = 0
+    requests: int = 0
+    fresh: int = 0
+    records_in: int = 0
+    tokens_in: int = 0
+    drops: int = 0
+    evictions: int = 0
+    gaps: int = 0
+    trained: int = 0
+    context: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    acceptance: float = 0.0
+
+
+@dataclass
+class HookStats:
+    """Serving-side hooks: failures of OUR code (the step went on as vLLM alone would have run
+    it) and silent skips, by hook / reason name."""
+
+    errors: dict[str, int] = field(default_factory=dict)
+    skips: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def total_errors(self) -> int:
+        return sum(self.errors.values())
+
+
+@dataclass
+class CutterStats:
+    """The draft cutter (length head -> verify-length policy -> cut)."""
+
+    policy: str = "fixed"
+    head: str = "off"  # off | warming (trained online, not trusted yet) | on
+    drafted: int = 0  # draft tokens proposed before the cut
+    verified: int = 0  # draft tokens sent to verification
+    last_reason: str = ""
+    head_updates: int = 0  # published versions that refreshed the head
+
+
+@dataclass
+class OnlineSpecStats:
+    steps: int = 0
+    published_version: int = 0  # the version vLLM's drafter holds
+    publishes: int = 0
+    publish_ms_last: float = NAN
+    publish_ms_total: float = 0.0
+    oracle_accept_len: float = 0.0  # 0 = oracle off
+    cost_a_s: float | None = None  # budget policy's step cost model (None: no cost model)
+    cost_b_s_per_token: float | None = None
+    resumed_from: str | None = None  # checkpoint the learner resumed, None = fresh start
+    hooks: HookStats = field(default_factory=HookStats)
+    cutter: CutterStats = field(default_factory=CutterStats)
+    learner: LearnerStats | None = None  # None: learning off
+    buffer: BufferStats | None = None
+
+    @property
+    def hook_errors(self) -> int:
+        return self.hooks.total_errors
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any] | None) -> "OnlineSpecStats":
+        """Parse what `to_dict` produced (an RPC result or a metrics file); {} gives defaults."""
+        d = dict(d or {})
+        out = _build(cls, {k: v for k, v in d.items()
+                           if k not in ("hooks", "cutter", "learner", "buffer")})
+        out.hooks = _build(HookStats, d.get("hooks")) or HookStats()
+        out.cutter = _build(CutterStats, d.get("cutter")) or CutterStats()
+        out.learner = _build(LearnerStats, d.get("learner"))
+        out.buffer = _build(BufferStats, d.get("buffer"))
+        return out
+
+
+def fetch(llm: Any) -> OnlineSpecStats:
+    """The first worker's stats of an `LLM` (offline engine), parsed."""
+    return OnlineSpecStats.from_dict(llm.collective_rpc("onlinespec_stats")[0])
+
+
+def is_number(x: Any) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and not math.isnan(x)

@@ -1,0 +1,30 @@
+"""Start-up validation of an onlinespec engine: one line naming the field, before any engine
+process is spawned (called from the EngineArgs hook in compat/patches.py and by the session)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from vllm_onlinespec.config import ConfigError, OnlineSpecConfig
+from vllm_onlinespec.serving.compat import vllm_config as vc
+
+
+def config_from_vllm(vllm_config: Any) -> OnlineSpecConfig:
+    """Validate `additional_config["onlinespec"]`; raises ConfigError (one line) when bad.
+
+    K (num_speculative_tokens) is not compared with the drafter's block_size: vLLM runs a DFlash
+    drafter with any K, and the learner trains the K positions vLLM serves
+    (learner/factory.py)."""
+    cfg = OnlineSpecConfig.from_any(vc.additional_config(vllm_config).get("onlinespec"))
+    method = vc.spec_method(vllm_config)
+    if method != "dflash":
+        raise ConfigError(
+            f"onlinespec: vllm_onlinespec.SpecDecodeWorker needs --speculative-config with "
+            f"method 'dflash' (got {method!r})")
+    k = vc.num_speculative_tokens(vllm_config)
+    if k < 1:
+        raise ConfigError(f"onlinespec: num_speculative_tokens must be >= 1 (got {k})")
+    if cfg.oracle.accept_len is not None and cfg.oracle.accept_len > k + 1:
+        raise ConfigError(f"onlinespec.oracle.accept_len: must be <= num_speculative_tokens + 1 "
+                          f"= {k + 1} (got {cfg.oracle.accept_len:g})")
+    return cfg
