@@ -73,6 +73,7 @@ class Row:
     step_ms_max: float
     accept_len: float | None
     verify_tokens_per_step: float
+    tokens_per_step: float  # output tokens per engine step, per request (what decoding gains)
     repeats: int
     breakdown_ms: dict | None = None
     speedup: float | None = None  # tok/s against nospec (same batch, same run)
@@ -83,12 +84,14 @@ def arms_for(ks: list[int], drafter: str) -> list[ArmConf]:
     worker, no Intel OpenMP, learning on with and without re-packing)."""
     frozen = {"enabled": False, "length_head": {"policy": "fixed"}}
     online = {"length_head": {"policy": "fixed"}}
-    out = [ArmConf("nospec", "none"), ArmConf("nospec+iomp", "none", iomp="on")]
+    out = [ArmConf("nospec", "none"), ArmConf("nospec+iomp", "none", iomp="on"),
+           ArmConf("nospec-fp32", "none", dtype="float32")]
     for i, k in enumerate(ks):
         out += [ArmConf("ngram", "ngram", k, iomp="on"), ArmConf("frozen", "ours", k, online=frozen),
                 ArmConf("oracle", "ours", k, online=frozen, oracle=float(k + 1))]
         if i == 0:
-            out += [ArmConf("dflash-vllm", "dflash-vllm", k, iomp="on"),
+            out += [ArmConf("frozen-fp32", "ours", k, online=frozen, dtype="float32"),
+                    ArmConf("dflash-vllm", "dflash-vllm", k, iomp="on"),
                     ArmConf("frozen-no-iomp", "ours", k, iomp="off", online=frozen),
                     ArmConf("online", "ours", k, online=online),
                     ArmConf("online-repack", "ours", k,
@@ -207,6 +210,7 @@ def summarize(arm: ArmConf, runs: list[dict]) -> list[Row]:
                         step_ms_max=max(step_ms),
                         accept_len=(acc + drafts) / drafts if drafts else None,
                         verify_tokens_per_step=sum(r["draft_tokens"] for r in rs) / max(1, steps),
+                        tokens_per_step=sum(r["output_tokens"] for r in rs) / max(1, steps) / batch,
                         repeats=len(rs), breakdown_ms=breakdown))
     return rows
 
@@ -229,13 +233,14 @@ def markdown(rows: list[Row], meta: dict) -> str:
            f"for its own speculative engines; `nospec+iomp`, `ngram`, `dflash-vllm` preload it "
            f"by hand). Wall time {meta['wall_s']:.0f} s.", "",
            "| arm | K | batch | tok/s (min-max) | vs nospec | ms/step (min-max) | accept len | "
-           "verify tok/step |", "|---|---|---|---|---|---|---|---|"]
+           "tokens/step/request | verify tok/step |", "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         acc = f"{r.accept_len:.2f}" if r.accept_len else "-"
         sp = f"{r.speedup:.2f}x" if r.speedup else "-"
         out.append(f"| {r.arm} | {r.K or '-'} | {r.batch} | {r.tok_s:.1f} ({r.tok_s_min:.1f}-"
                    f"{r.tok_s_max:.1f}) | {sp} | {r.step_ms:.1f} ({r.step_ms_min:.1f}-"
-                   f"{r.step_ms_max:.1f}) | {acc} | {r.verify_tokens_per_step:.1f} |")
+                   f"{r.step_ms_max:.1f}) | {acc} | {r.tokens_per_step:.2f} | "
+                   f"{r.verify_tokens_per_step:.1f} |")
     base = {r.batch: r.step_ms for r in rows if r.arm == "nospec"}
     out += ["", "Step cost relative to a plain step (ms/step over nospec's, same batch):", "",
             "| arm | K | " + " | ".join(f"batch {b}" for b in sorted(base)) + " |",
@@ -283,6 +288,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--arms", help="comma-separated arm names to keep (default all)")
     ap.add_argument("--out", default="runs/step_cost")
     ap.add_argument("--publish", action="store_true", help="copy the report to docs/results/")
+    ap.add_argument("--report", action="store_true", help="only rebuild the report from the "
+                    "arms already measured in --out (job-*.json + runs-*.json)")
     ap.add_argument("--one", help=argparse.SUPPRESS)  # child mode: JSON job file
     args = ap.parse_args(argv)
     if args.one:
@@ -296,6 +303,8 @@ def main(argv: list[str] | None = None) -> int:
 
     t0 = time.perf_counter()
     out = Path(args.out)
+    if args.report:
+        return write_reports(out, *rows_from_disk(out), args.publish)
     out.mkdir(parents=True, exist_ok=True)
     target = str(resolve(args.target))
     drafter = args.drafter or default_drafter(target, out)
@@ -327,16 +336,48 @@ def main(argv: list[str] | None = None) -> int:
             print(f"  batch {r.batch}: {r.tok_s:.1f} tok/s, {r.step_ms:.1f} ms/step, accept "
                   f"{r.accept_len or 1:.2f}", flush=True)
         rows += arm_rows
-    add_speedups(rows)
     meta = {"date": time.strftime("%Y-%m-%d"), "target": target, "drafter": drafter,
-            "dtype": "bfloat16", "max_tokens": args.max_tokens, "batches": batches,
+            "dtype": "bfloat16 unless the arm says fp32", "max_tokens": args.max_tokens, "batches": batches,
             "repeats": args.repeats, "ks": ks, "wall_s": time.perf_counter() - t0,
             "command": "python benchmarks/step_cost.py " + " ".join(argv or sys.argv[1:])}
+    (out / "meta.json").write_text(json.dumps(meta))
+    return write_reports(out, rows, meta, args.publish)
+
+
+def rows_from_disk(out: Path) -> tuple[list[Row], dict]:
+    """Rows of every arm measured in `out` (in job order), and the run's meta."""
+    rows = []
+    for job in sorted(out.glob("job-*.json"), key=lambda p: int(p.stem.split("-")[1])):
+        spec = json.loads(job.read_text())
+        res = Path(spec["result"])
+        if res.is_file():
+            rows += summarize(ArmConf(**spec["arm"]), json.loads(res.read_text()))
+    meta_path = out / "meta.json"
+    if meta_path.is_file():
+        return rows, json.loads(meta_path.read_text())
+    first = json.loads(min(out.glob("job-*.json")).read_text())  # a run stopped before its end
+    logs = sorted(out.glob("log-*.txt"))
+    wall = logs[-1].stat().st_mtime - first_mtime(out) if logs else 0.0
+    return rows, {"date": time.strftime("%Y-%m-%d"), "target": first["target"],
+                  "drafter": first["drafter"], "dtype": "bfloat16 unless the arm says fp32",
+                  "max_tokens": first["max_tokens"], "batches": first["batches"],
+                  "repeats": first["repeats"], "wall_s": wall,
+                  "command": "python benchmarks/step_cost.py --spec-bench "
+                             "../shared/data/spec_bench/question.jsonl (stopped after the arms "
+                             "listed; report rebuilt with --report)"}
+
+
+def first_mtime(out: Path) -> float:
+    return min(p.stat().st_mtime for p in out.glob("job-*.json"))
+
+
+def write_reports(out: Path, rows: list[Row], meta: dict, publish: bool) -> int:
+    add_speedups(rows)
     (out / "step_cost.json").write_text(json.dumps({"meta": meta, "rows": [asdict(r) for r in rows]},
                                                    indent=1))
     (out / "step_cost.md").write_text(markdown(rows, meta))
     print(markdown(rows, meta))
-    if args.publish:
+    if publish:
         dst = ROOT / "docs" / "results"
         for name in ("step_cost.json", "step_cost.md"):
             shutil.copy(out / name, dst / name)

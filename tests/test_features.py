@@ -55,3 +55,21 @@ def test_chunking_and_right_padding(llama):
 def test_rejects_out_of_range_layers(llama):
     with pytest.raises(ValueError, match="out of range"):
         target_features(llama, torch.zeros(1, 3, dtype=torch.long), None, [1, 4])
+
+
+def test_shared_prefix_equals_full_forward(llama):
+    """Running a prompt once for all of its answers gives each answer's own full-sequence
+    features (the prompt's KV cache repeated, the answers right-padded on top)."""
+    from vllm_onlinespec.training.features import shared_prefix_features
+
+    g = torch.Generator().manual_seed(5)
+    prefix = torch.randint(0, 1024, (7,), generator=g).tolist()
+    conts = [torch.randint(0, 1024, (n,), generator=g).tolist() for n in (5, 2, 9)]
+    got = shared_prefix_features(llama, prefix, conts, [0, 3])
+    for c, (aux, final) in zip(conts, got):
+        ref_aux, ref_final = target_features(llama, torch.tensor([prefix + c]), None, [0, 3])
+        assert aux.shape == ref_aux[0].shape and final.shape == ref_final[0].shape
+        torch.testing.assert_close(aux, ref_aux[0], rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(final, ref_final[0], rtol=1e-4, atol=1e-5)
+    with pytest.raises(ValueError, match="out of range"):
+        shared_prefix_features(llama, prefix, conts, [4])

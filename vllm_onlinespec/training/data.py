@@ -20,14 +20,20 @@ from pathlib import Path
 class Prompt:
     id: str  # "<source>:<key>", unique within a run
     source: str  # "jsonl", "spec_bench", "humaneval"
-    text: str  # the user turn; the split and the dedup key
+    text: str  # the first user turn; the split and the dedup key (follow-ups keep their root's)
     category: str = ""
     system: str | None = None
+    # Later turns after the first user turn, as (role, content) pairs ending with a user turn:
+    # a follow-up conversation on the target's own earlier answer (see follow_up).
+    history: tuple[tuple[str, str], ...] = ()
+    # The dataset's own next user turns (Spec-Bench's MT-bench rows have a second turn).
+    next_turns: tuple[str, ...] = ()
 
     @property
     def messages(self) -> list[dict[str, str]]:
         msgs = [{"role": "system", "content": self.system}] if self.system else []
-        return msgs + [{"role": "user", "content": self.text}]
+        return msgs + [{"role": "user", "content": self.text}] + [
+            {"role": r, "content": c} for r, c in self.history]
 
     def to_json(self) -> dict:
         return {"id": self.id, "source": self.source, "category": self.category,
@@ -68,6 +74,13 @@ def _first_turn(row: dict, where: str) -> str:
     raise ValueError(f"{where}: needs a 'prompt' string, a 'turns' list or 'messages' with a user turn")
 
 
+def _later_turns(row: dict) -> tuple[str, ...]:
+    turns = row.get("turns")
+    if isinstance(turns, list) and len(turns) > 1:
+        return tuple(t for t in turns[1:] if isinstance(t, str) and t.strip())
+    return ()
+
+
 def load_jsonl(path: str | os.PathLike, source: str = "jsonl",
                categories: Sequence[str] | None = None) -> list[Prompt]:
     """Prompts from a jsonl file with a `prompt`, `turns` (first turn) or `messages` field per
@@ -82,7 +95,8 @@ def load_jsonl(path: str | os.PathLike, source: str = "jsonl",
         if not text.strip():
             continue
         key = row.get("question_id", row.get("id", row.get("task_id", n)))
-        out.append(Prompt(id=f"{source}:{key}", source=source, text=text, category=cat))
+        out.append(Prompt(id=f"{source}:{key}", source=source, text=text, category=cat,
+                          next_turns=_later_turns(row)))
     return out
 
 
@@ -119,6 +133,46 @@ def load_humaneval(path: str | os.PathLike | None = None) -> list[Prompt]:
         out.append(Prompt(id=f"humaneval:{key}", source="humaneval", category="coding",
                           text=HUMANEVAL_INSTRUCTION.format(prompt=row["prompt"])))
     return out
+
+
+def exclude_categories(prompts: Iterable[Prompt], categories: Sequence[str]) -> list[Prompt]:
+    """Prompts outside `categories` (a domain left out of training on purpose)."""
+    drop = set(categories)
+    return [p for p in prompts if p.category not in drop]
+
+
+# Follow-up turns for prompts whose dataset has no second turn. The target's answers to a
+# conversation it is already in differ from first-turn answers (they refer back, shorten,
+# reformat), and serving traffic has both; each root prompt gets one, chosen by its hash.
+GENERIC_FOLLOWUPS = (
+    "Can you explain that in more detail?",
+    "Summarize your answer in three bullet points.",
+    "Can you give me a concrete example?",
+    "Rewrite your answer so a ten-year-old could understand it.",
+    "What are the most common mistakes people make here?",
+    "Make your answer shorter and more direct.",
+    "Why is that? Explain your reasoning step by step.",
+    "Can you put that into a table?",
+    "What would be a good next step?",
+    "Is there another way to do this? Compare the two.",
+    "Turn that into a short list of key takeaways.",
+    "Thanks! Could you add a brief conclusion?",
+)
+
+
+def follow_up(prompt: Prompt, answer: str, index: int = 0) -> Prompt:
+    """A second-turn conversation: the prompt, the target's own `answer`, then a follow-up user
+    turn (the dataset's next turn when it has one, else a generic one). The follow-up keeps its
+    root's text, so it always lands in its root's split."""
+    if prompt.history:
+        raise ValueError(f"{prompt.id}: follow-ups of follow-ups are not supported")
+    if index < len(prompt.next_turns):
+        turn = prompt.next_turns[index]
+    else:
+        turn = GENERIC_FOLLOWUPS[int(_unit(prompt.text, 1000 + index) * len(GENERIC_FOLLOWUPS))]
+    return Prompt(id=f"{prompt.id}#turn{index + 2}", source=prompt.source, text=prompt.text,
+                  category=prompt.category, system=prompt.system,
+                  history=(("assistant", answer), ("user", turn)))
 
 
 def dedupe(prompts: Iterable[Prompt]) -> list[Prompt]:

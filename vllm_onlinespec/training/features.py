@@ -65,3 +65,52 @@ def target_features(model: nn.Module, input_ids: Tensor, attention_mask: Tensor 
         aux_parts.append(torch.cat([captured[i] for i in target_layer_ids], dim=-1))
         final_parts.append(out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0])
     return torch.cat(aux_parts), torch.cat(final_parts)
+
+
+@torch.no_grad()
+def shared_prefix_features(model: nn.Module, prefix_ids: Sequence[int],
+                           continuations: Sequence[Sequence[int]], target_layer_ids: Sequence[int],
+                           ) -> list[tuple[Tensor, Tensor]]:
+    """target_features of `prefix + c` for each continuation c, running the prefix once.
+
+    Why: a prompt answered n times (greedy + sampled answers) would otherwise cost n prompt
+    passes; Spec-Bench prompts are often longer than their answers. The prefix runs with a KV
+    cache, the cache is repeated n times, and the continuations run right-padded on top of it
+    (causal attention: a real token never sees the padding after it). Returns per continuation
+    (aux [P+len(c), n*H], final [P+len(c), H]) in the model's dtype.
+    """
+    decoder = _decoder(model)
+    layers = decoder.layers
+    if any(not 0 <= i < len(layers) for i in target_layer_ids):
+        raise ValueError(f"target_layer_ids {list(target_layer_ids)} out of range for "
+                         f"{len(layers)} target layers")
+    if not prefix_ids or not continuations or any(not c for c in continuations):
+        raise ValueError("shared_prefix_features needs a non-empty prefix and continuations")
+    captured: dict[int, Tensor] = {}
+
+    def hook(i: int):
+        def fn(_mod: nn.Module, _inp: object, out: Tensor | tuple) -> None:
+            captured[i] = out[0] if isinstance(out, tuple) else out
+        return fn
+
+    handles = [layers[i].register_forward_hook(hook(i)) for i in target_layer_ids]
+    try:
+        pre = decoder(input_ids=torch.tensor([list(prefix_ids)]), use_cache=True)
+        p_aux = torch.cat([captured[i] for i in target_layer_ids], dim=-1)[0]
+        p_final = pre.last_hidden_state[0]
+        cache = pre.past_key_values
+        n = len(continuations)
+        if n > 1:
+            cache.batch_repeat_interleave(n)
+        t_max = max(len(c) for c in continuations)
+        ids = torch.zeros(n, t_max, dtype=torch.long)
+        for r, c in enumerate(continuations):
+            ids[r, :len(c)] = torch.tensor(list(c))
+        out = decoder(input_ids=ids, past_key_values=cache, use_cache=True)
+        c_aux = torch.cat([captured[i] for i in target_layer_ids], dim=-1)
+        c_final = out.last_hidden_state
+    finally:
+        for h in handles:
+            h.remove()
+    return [(torch.cat([p_aux, c_aux[r, :len(c)]]), torch.cat([p_final, c_final[r, :len(c)]]))
+            for r, c in enumerate(continuations)]

@@ -55,6 +55,12 @@ class Sample:
     def response_tokens(self) -> int:
         return len(self.ids) - self.start
 
+    @property
+    def key(self) -> str:
+        """Identity of the sequence (its tokens and where the response starts): two samples
+        with the same key would be the same training row."""
+        return hashlib.sha256(json.dumps([self.ids, self.start]).encode()).hexdigest()[:24]
+
 
 # (prompt token ids per prompt, spec) -> n response id lists per prompt
 GenerateFn = Callable[[list[list[int]], SamplingSpec], list[list[list[int]]]]

@@ -68,6 +68,9 @@ class TrainConfig:
     seed: int = 0
     # evaluation / bookkeeping
     eval_anchors: int = 16
+    # Extra held-out evaluations every N steps, each with a drafter snapshot in
+    # out/snapshots/step-N (the learning curve serves them); 0 = per epoch only.
+    eval_every: int = 0
     log_every: int = 10
     save_every_s: float = 120.0
     target_dtype: str = "float32"  # HF target for features; CPU bf16 matmuls are slow here
@@ -297,6 +300,12 @@ def evaluate(drafter: DFlashDrafter, length_head: LengthHead | None, examples: S
     return out
 
 
+def _snapshot_dir(out: Path, step: int) -> Path:
+    d = out / "snapshots" / f"step-{step:06d}"
+    d.mkdir(parents=True, exist_ok=True)
+    return d
+
+
 def _truncate_log(path: Path, step: int) -> None:
     if not path.is_file():
         return
@@ -313,11 +322,14 @@ def _log(out: Path, row: dict) -> None:
 def train(target_path: str, train_samples: Sequence[Sample], heldout_samples: Sequence[Sample],
           out: str | os.PathLike, cfg: TrainConfig, *, target: nn.Module | None = None,
           stop_after: int | None = None, meta: dict | None = None,
+          examples: tuple[Sequence[Example], Sequence[Example]] | None = None,
           log: Callable[[str], None] = print) -> TrainResult:
     """Train (or resume) a drafter in `out`; returns when done or after `stop_after` steps.
 
     `target`: an already loaded HF target (tests); by default loaded from target_path.
     `stop_after`: stop early after this global step, as a crash would (state is saved).
+    `examples`: (train, held-out) features already computed (feature shards), matching the
+    samples one to one; then the target is loaded only for its embedding and LM head.
     """
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
@@ -339,7 +351,7 @@ def train(target_path: str, train_samples: Sequence[Sample], heldout_samples: Se
         raise ValueError("no training samples")
 
     # Target + features. Loading the HF target is cheap next to running it, so it is always
-    # loaded (for its embedding and LM length_head) and only run for features the cache lacks.
+    # loaded (for its embedding and LM head) and only run for features the cache lacks.
     t0 = time.perf_counter()
     fp = {"object": id(target)} if target is not None else model_fingerprint(target_path)
     if target is None:
@@ -348,10 +360,16 @@ def train(target_path: str, train_samples: Sequence[Sample], heldout_samples: Se
     timings["load_target_s"] = time.perf_counter() - t0
     fdtype = getattr(torch, cfg.feature_dtype)
     t0 = time.perf_counter()
-    train_ex = cached_features(cache, target, train_samples, dcfg.target_layer_ids, fp, fdtype,
-                               cfg.feature_batch_tokens, "train")
-    held_ex = cached_features(cache, target, heldout_samples, dcfg.target_layer_ids, fp, fdtype,
-                              cfg.feature_batch_tokens, "heldout") if heldout_samples else []
+    if examples is not None:
+        train_ex, held_ex = list(examples[0]), list(examples[1])
+        if len(train_ex) != len(train_samples) or len(held_ex) != len(heldout_samples):
+            raise ValueError(f"examples ({len(train_ex)}, {len(held_ex)}) do not match the samples "
+                             f"({len(train_samples)}, {len(heldout_samples)})")
+    else:
+        train_ex = cached_features(cache, target, train_samples, dcfg.target_layer_ids, fp, fdtype,
+                                   cfg.feature_batch_tokens, "train")
+        held_ex = cached_features(cache, target, heldout_samples, dcfg.target_layer_ids, fp, fdtype,
+                                  cfg.feature_batch_tokens, "heldout") if heldout_samples else []
     timings["features_s"] = time.perf_counter() - t0
     n_tok = sum(len(e.ids) for e in train_ex)
     n_resp = sum(len(e.ids) - e.start for e in train_ex)
@@ -415,7 +433,10 @@ def train(target_path: str, train_samples: Sequence[Sample], heldout_samples: Se
             return
         t1 = time.perf_counter()
         ev = evaluate(drafter, length_head, held_ex, embed_w, lm_head_w, cfg)
-        ev.update(epoch=epoch, step=step, eval_s=round(time.perf_counter() - t1, 1))
+        # Response tokens of the sequences trained on so far (repeats counted): the learning
+        # curve's x axis within one run.
+        ev.update(epoch=epoch, step=step, eval_s=round(time.perf_counter() - t1, 1),
+                  response_tokens_seen=round(step / per_epoch * n_resp))
         evals.append(ev)
         _log(out, {"event": "eval", **ev})
         log(f"epoch {epoch} step {step}: held-out acceptance {ev['acceptance']:.3f} tokens/step "
@@ -470,8 +491,13 @@ def train(target_path: str, train_samples: Sequence[Sample], heldout_samples: Se
                 _log(out, row)
                 bar.set_postfix(loss=f"{row['loss']:.3f}", acc=f"{row['accepted'] + 1:.2f}")
                 window.clear()
+            if cfg.eval_every and step % cfg.eval_every == 0 and step % per_epoch and step < total:
+                run_eval(step / per_epoch)
+                export_drafter(_snapshot_dir(out, step), dcfg, drafter, length_head)
             if step % per_epoch == 0 or step == total:
                 run_eval(math.ceil(step / per_epoch))
+                if cfg.eval_every:
+                    export_drafter(_snapshot_dir(out, step), dcfg, drafter, length_head)
                 export_drafter(out, dcfg, drafter, length_head)
                 save_state()
                 last_save = time.perf_counter()

@@ -1,0 +1,72 @@
+"""The trained default drafter that ships inside the package: present, small, documented, and
+lossless when vLLM serves it (float32 greedy output equals no speculation, token for token)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from vllm_onlinespec import models
+from vllm_onlinespec.drafter import load_drafter
+
+MAX_BYTES = 25 * 2**20
+
+
+def test_shipped_drafter_is_installed_small_and_documented(smollm2_path):
+    from transformers import AutoConfig
+
+    path = models.shipped_drafter("smollm2-135m")
+    size = sum(f.stat().st_size for f in path.iterdir() if f.is_file())
+    assert size <= MAX_BYTES, f"{path}: {size} bytes"
+    cfg, drafter, head = load_drafter(path)
+    assert cfg.torch_dtype == "bfloat16" and next(drafter.parameters()).dtype == torch.bfloat16
+    tcfg = AutoConfig.from_pretrained(smollm2_path)
+    assert cfg.target_hidden_size == tcfg.hidden_size and cfg.vocab_size == tcfg.vocab_size
+    assert max(cfg.target_layer_ids) < tcfg.num_hidden_layers
+    meta = json.loads((path / "train_meta.json").read_text())
+    # The demo's shifted domain must stay out of the shipped drafter's training data.
+    assert "math_reasoning" in meta["excluded_categories"]
+    assert meta["command"].startswith("vllm-onlinespec train --recipe smollm2-default")
+    assert meta["train_response_tokens"] > 0 and meta["evals"]
+    # A trained drafter, not a fresh one: norms moved away from their init of 1.
+    assert not torch.allclose(drafter.norm.weight.float(), torch.ones_like(drafter.norm.weight.float()))
+
+
+def test_unknown_or_missing_shipped_drafter(monkeypatch, tmp_path):
+    with pytest.raises(models.ModelError, match="unknown model"):
+        models.shipped_drafter("nope")
+    monkeypatch.setitem(models.SHIPPED_DRAFTERS, "smollm2-135m", "not-there")
+    with pytest.raises(models.ModelError, match="incomplete"):
+        models.shipped_drafter("smollm2-135m")
+
+
+PROMPTS = ["Give me three tips for a good night's sleep.", "Write a Python function that "
+           "reverses a string.", "What is the capital of France? Answer in one sentence."]
+
+
+@pytest.mark.vllm
+def test_shipped_drafter_is_lossless_in_vllm_fp32(smollm2_path):
+    from vllm import LLM, SamplingParams
+
+    from vllm_onlinespec.engine import engine_kwargs
+
+    drafter = str(models.shipped_drafter("smollm2-135m"))
+    k = load_drafter(drafter)[0].num_draft_tokens
+    params = SamplingParams(temperature=0.0, max_tokens=48)
+    msgs = [[{"role": "user", "content": p}] for p in PROMPTS]
+    outs = {}
+    for arm, spec in (("nospec", None), ("dflash", {"method": "dflash", "model": drafter,
+                                                    "num_speculative_tokens": k})):
+        kw = engine_kwargs(max_model_len=1024)
+        if spec:
+            kw["speculative_config"] = spec
+        llm = LLM(model=smollm2_path, dtype="float32", disable_log_stats=False, **kw)
+        outs[arm] = [list(o.outputs[0].token_ids) for o in llm.chat(msgs, params, use_tqdm=False)]
+        if spec:
+            found = {m.name: m.value for m in llm.get_metrics() if hasattr(m, "value")}
+            outs["accepted"] = found.get("vllm:spec_decode_num_accepted_tokens", 0)
+        llm.llm_engine.engine_core.shutdown()
+    assert outs["dflash"] == outs["nospec"]
+    assert outs["accepted"] > 0  # the drafter drafts something the target accepts

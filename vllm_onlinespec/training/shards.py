@@ -1,0 +1,285 @@
+"""Feature shards: the target's features for training samples, on disk, resumable.
+
+    DIR/manifest.json         what the shards hold (target, layers, dtypes) and the finished shards
+    DIR/shard-00000.safetensors
+        ids [N] int32, aux [N, n*H], final [N, H] (feature dtype), offsets [S+1] int64,
+        starts [S] int64 - S samples concatenated; metadata: the same header as the manifest
+        plus the samples' keys (JSON)
+
+Why this layout: one safetensors file per shard is read with one mmap and no pickle; the
+manifest is rewritten atomically after each shard is complete, so a killed run leaves either a
+shard listed in the manifest (complete, fsynced) or a stray file that the next run overwrites.
+Resuming skips every sample whose key a listed shard holds: no sample is stored twice.
+
+Every shard carries the header (target fingerprint, layer ids, sizes, dtype) it was written
+with; reading checks it against the manifest and against what the trainer expects, and a
+mismatch (another target, other layers) or a corrupt file stops with one line naming the file.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import tempfile
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import save_file
+from torch import Tensor
+
+FORMAT = "vllm-onlinespec-features/1"
+MANIFEST = "manifest.json"
+
+
+class ShardError(ValueError):
+    """A shard folder or file cannot be used; the message is one line naming the file."""
+
+
+@dataclass(frozen=True)
+class ShardHeader:
+    """What every shard of a folder must agree on."""
+
+    target: str  # a short fingerprint of the target's weights and config
+    layer_ids: tuple[int, ...]
+    hidden_size: int
+    feature_dtype: str = "bfloat16"
+    format: str = FORMAT
+
+    def to_json(self) -> dict:
+        d = asdict(self)
+        d["layer_ids"] = list(self.layer_ids)
+        return d
+
+    @classmethod
+    def from_json(cls, d: dict, where: str) -> "ShardHeader":
+        try:
+            return cls(target=str(d["target"]), layer_ids=tuple(int(i) for i in d["layer_ids"]),
+                       hidden_size=int(d["hidden_size"]), feature_dtype=str(d["feature_dtype"]),
+                       format=str(d["format"]))
+        except (KeyError, TypeError, ValueError) as e:
+            raise ShardError(f"{where}: not a feature-shard header ({e!r})") from None
+
+    def mismatch(self, other: "ShardHeader") -> str | None:
+        """A short description of the first difference, or None."""
+        for k in ("format", "target", "layer_ids", "hidden_size", "feature_dtype"):
+            a, b = getattr(self, k), getattr(other, k)
+            if a != b:
+                return f"{k} {list(b) if k == 'layer_ids' else b} != expected " \
+                       f"{list(a) if k == 'layer_ids' else a}"
+        return None
+
+
+def target_fingerprint(fingerprint: dict) -> str:
+    """A short, stable id of a target from generate.model_fingerprint() (path excluded, so a
+    moved cache folder keeps its shards)."""
+    key = {k: v for k, v in fingerprint.items() if k != "path"}
+    return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+
+
+@dataclass
+class FeatureRow:
+    """One sample with its features (what the trainer's Example holds)."""
+
+    key: str
+    ids: Tensor  # [T] int64
+    start: int
+    aux: Tensor  # [T, n*H]
+    final: Tensor  # [T, H]
+
+
+@dataclass
+class ShardInfo:
+    file: str
+    samples: int
+    tokens: int
+    response_tokens: int
+    keys: list[str] = field(default_factory=list)
+
+
+@dataclass
+class Manifest:
+    header: ShardHeader
+    shards: list[ShardInfo] = field(default_factory=list)
+
+    @property
+    def keys(self) -> set[str]:
+        return {k for s in self.shards for k in s.keys}
+
+    @property
+    def response_tokens(self) -> int:
+        return sum(s.response_tokens for s in self.shards)
+
+    def to_json(self) -> dict:
+        return {"header": self.header.to_json(), "shards": [asdict(s) for s in self.shards]}
+
+
+def _atomic_write_text(path: Path, text: str) -> None:
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def read_manifest(folder: str | os.PathLike) -> Manifest:
+    path = Path(folder) / MANIFEST
+    try:
+        raw = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise ShardError(f"{path}: no feature-shard manifest") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ShardError(f"{path}: corrupt manifest ({e})") from None
+    if not isinstance(raw, dict) or "header" not in raw or not isinstance(raw.get("shards"), list):
+        raise ShardError(f"{path}: not a feature-shard manifest")
+    header = ShardHeader.from_json(raw["header"], str(path))
+    try:
+        shards = [ShardInfo(**s) for s in raw["shards"]]
+    except TypeError as e:
+        raise ShardError(f"{path}: bad shard entry ({e})") from None
+    return Manifest(header=header, shards=shards)
+
+
+class ShardWriter:
+    """Appends samples to a shard folder; `done` says which sample keys it already holds.
+
+    Opening a folder written for another header (target, layers, dtype) raises ShardError:
+    mixing features of two targets would silently train on garbage.
+    """
+
+    def __init__(self, folder: str | os.PathLike, header: ShardHeader,
+                 samples_per_shard: int = 256) -> None:
+        self.folder = Path(folder)
+        self.folder.mkdir(parents=True, exist_ok=True)
+        self.samples_per_shard = samples_per_shard
+        if (self.folder / MANIFEST).is_file():
+            self.manifest = read_manifest(self.folder)
+            why = header.mismatch(self.manifest.header)
+            if why:
+                raise ShardError(f"{self.folder / MANIFEST}: written for other features ({why}); "
+                                 f"use another folder or delete it")
+        else:
+            self.manifest = Manifest(header=header)
+            self._save_manifest()
+        self.done = self.manifest.keys
+        self._pending: list[FeatureRow] = []
+
+    def _save_manifest(self) -> None:
+        _atomic_write_text(self.folder / MANIFEST, json.dumps(self.manifest.to_json()) + "\n")
+
+    def add(self, row: FeatureRow) -> None:
+        if row.key in self.done:
+            return
+        self._pending.append(row)
+        self.done.add(row.key)
+        if len(self._pending) >= self.samples_per_shard:
+            self.flush()
+
+    def flush(self) -> None:
+        if not self._pending:
+            return
+        rows, self._pending = self._pending, []
+        name = f"shard-{len(self.manifest.shards):05d}.safetensors"
+        h = self.manifest.header
+        dtype = getattr(torch, h.feature_dtype)
+        lengths = [len(r.ids) for r in rows]
+        offsets = torch.zeros(len(rows) + 1, dtype=torch.int64)
+        offsets[1:] = torch.tensor(lengths).cumsum(0)
+        tensors = {
+            "ids": torch.cat([r.ids for r in rows]).to(torch.int32),
+            "aux": torch.cat([r.aux for r in rows]).to(dtype).contiguous(),
+            "final": torch.cat([r.final for r in rows]).to(dtype).contiguous(),
+            "offsets": offsets,
+            "starts": torch.tensor([r.start for r in rows], dtype=torch.int64),
+        }
+        keys = [r.key for r in rows]
+        meta = {"header": json.dumps(h.to_json()), "keys": json.dumps(keys)}
+        fd, tmp = tempfile.mkstemp(prefix=f".{name}.", dir=self.folder)
+        os.close(fd)
+        try:
+            save_file(tensors, tmp, metadata=meta)
+            with open(tmp, "rb") as f:
+                os.fsync(f.fileno())
+            os.replace(tmp, self.folder / name)  # a stray file of a killed run is overwritten
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
+        resp = sum(len(r.ids) - r.start for r in rows)
+        self.manifest.shards.append(ShardInfo(file=name, samples=len(rows), tokens=sum(lengths),
+                                              response_tokens=resp, keys=keys))
+        self._save_manifest()  # the shard counts only from here on
+
+    def close(self) -> None:
+        self.flush()
+
+
+def read_shard(path: str | os.PathLike, expected: ShardHeader) -> list[FeatureRow]:
+    """All samples of one shard file, checked against `expected`."""
+    path = Path(path)
+    if not path.is_file():
+        raise ShardError(f"{path}: missing shard file")
+    try:
+        with safe_open(str(path), "pt") as f:
+            meta = f.metadata() or {}
+            t = {k: f.get_tensor(k) for k in ("ids", "aux", "final", "offsets", "starts")}
+    except (SafetensorError, OSError, ValueError, RuntimeError) as e:
+        raise ShardError(f"{path}: corrupt shard ({str(e).splitlines()[0] if str(e) else type(e).__name__})") from None
+    if "header" not in meta or "keys" not in meta:
+        raise ShardError(f"{path}: not a feature shard (no header)")
+    try:
+        header = ShardHeader.from_json(json.loads(meta["header"]), str(path))
+        keys = json.loads(meta["keys"])
+    except json.JSONDecodeError as e:
+        raise ShardError(f"{path}: corrupt shard header ({e})") from None
+    why = expected.mismatch(header)
+    if why:
+        raise ShardError(f"{path}: shard of other features ({why})")
+    n_feat = len(header.layer_ids) * header.hidden_size
+    off, n = t["offsets"], len(keys)
+    total = int(off[-1]) if len(off) else 0
+    if (len(off) != n + 1 or len(t["starts"]) != n or t["ids"].shape != (total,)
+            or t["aux"].shape != (total, n_feat) or t["final"].shape != (total, header.hidden_size)):
+        raise ShardError(f"{path}: tensor shapes do not match its header and offsets")
+    rows = []
+    for i, key in enumerate(keys):
+        a, b = int(off[i]), int(off[i + 1])
+        rows.append(FeatureRow(key=key, ids=t["ids"][a:b].long(), start=int(t["starts"][i]),
+                               aux=t["aux"][a:b], final=t["final"][a:b]))
+    return rows
+
+
+def iter_shards(folder: str | os.PathLike, expected: ShardHeader,
+                keys: Iterable[str] | None = None) -> Iterator[FeatureRow]:
+    """Stream the folder's samples shard by shard (only `keys` when given): at most one shard
+    in memory beyond what the caller keeps."""
+    folder = Path(folder)
+    man = read_manifest(folder)
+    why = expected.mismatch(man.header)
+    if why:
+        raise ShardError(f"{folder / MANIFEST}: written for other features ({why})")
+    wanted = set(keys) if keys is not None else None
+    for info in man.shards:
+        if wanted is not None and not wanted.intersection(info.keys):
+            continue
+        for row in read_shard(folder / info.file, expected):
+            if wanted is None or row.key in wanted:
+                yield row
+
+
+def load_rows(folder: str | os.PathLike, expected: ShardHeader,
+              keys: Sequence[str]) -> list[FeatureRow]:
+    """Rows for `keys`, in that order; a key no shard holds is an error naming the folder."""
+    got = {r.key: r for r in iter_shards(folder, expected, keys)}
+    missing = [k for k in keys if k not in got]
+    if missing:
+        raise ShardError(f"{Path(folder) / MANIFEST}: {len(missing)} samples have no features "
+                         f"(first key {missing[0]})")
+    return [got[k] for k in keys]
