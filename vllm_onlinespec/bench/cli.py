@@ -19,9 +19,11 @@ from pathlib import Path
 
 from vllm_onlinespec.bench import prompts as P
 
-def recipe_flags(recipe: str = "smollm2-default") -> dict:
+def recipe_flags(recipe: str = "smollm2-small") -> dict:
     """A `vllm-onlinespec train` recipe as {flag: value}, without its prompt sources (the
-    default recipe turns on HumanEval, which a domain-shift run must be able to leave out)."""
+    default recipe turns on HumanEval, which a domain-shift run must be able to leave out).
+    Default: the small epoch-based recipe the benchmarks' starting drafters are trained with
+    (smollm2-default counts steps, which cannot be combined with a benchmark's --epochs)."""
     from vllm_onlinespec.training.cli import RECIPES
 
     return {k.replace("_", "-"): v for k, v in RECIPES[recipe].items()
