@@ -1,0 +1,25 @@
+"""benchmarks/results_tables.py: markdown results tables -> JSON rows, and every results page
+in docs/results has its data beside it."""
+
+import json
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+import results_tables as R  # noqa: E402
+
+
+def test_tables_become_rows_with_numbers():
+    md = "# T\n\n| arm | tok/s |\n|---|---|\n| nospec | 23.1 |\n| oracle | **53.1** |\n\ntext\n"
+    (t,) = R.tables(md)
+    assert t["header"] == ["arm", "tok/s"]
+    assert t["rows"] == [{"arm": "nospec", "tok/s": 23.1}, {"arm": "oracle", "tok/s": 53.1}]
+
+
+def test_every_results_page_has_its_json():
+    for md in (ROOT / "docs" / "results").glob("*.md"):
+        data = md.with_suffix(".json")
+        assert data.is_file(), f"{md.name} has no {data.name}"
+        json.loads(data.read_text())
