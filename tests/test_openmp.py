@@ -57,7 +57,7 @@ def test_engine_args_hook_sets_ld_preload_for_our_speculative_engines(monkeypatc
     if not openmp.is_x86() or openmp.find_libiomp() is None:
         pytest.skip("needs x86 and the venv's libiomp5.so")
     monkeypatch.setenv("LD_PRELOAD", "")
-    monkeypatch.setattr(patches, "_iomp_logged", False)
+    monkeypatch.setattr(patches, "_logged", set())
     assert not vllm_config.ours_requested(EngineArgs(model="x"))
     args = EngineArgs(model="x", additional_config={"onlinespec": {}})
     assert vllm_config.ours_requested(args)

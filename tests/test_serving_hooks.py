@@ -226,6 +226,8 @@ def bare_session(**over):
     s.cutter = RecordingCutter()
     buf, lr = FakeBuffer(), FakeLearner()
     s.parts = SimpleNamespace(learner=lr, buffer=buf)
+    s.cfg = SimpleNamespace(enabled=True)
+    s.tp, s.leader, s._tp_shared = None, True, 0  # one rank
     s.stats = lambda: None
     s.info = lambda: {}
     for k, v in over.items():
@@ -347,6 +349,28 @@ def test_a_shipped_head_cuts_from_the_first_step_and_fixed_never_consults_one():
     assert _cut(f) == [[1, 2, 3, 4]] * 2 and f.verified == f.drafted == 8
 
 
+def test_the_head_follows_the_hidden_states_device():
+    """On a GPU vLLM's drafter hands over CUDA hidden states: the head moves there once (and
+    refreshes copy into it there) rather than every step raising on a device mismatch.
+    "meta" stands in for the second device this CPU does not have."""
+    from vllm_onlinespec.drafter import LengthHead
+
+    c = cutter(head=LengthHead(8, width=4), head_trusted=True)
+    assert {p.device.type for p in c.head.parameters()} == {"cpu"}
+    head = c.head_on(torch.device("meta"))
+    assert {p.device.type for p in head.parameters()} == {"meta"}
+    assert c.head_on(torch.device("meta")) is head  # moved once, then left in place
+
+
+def test_a_cpu_head_predicts_cpu_hidden_states_in_place():
+    from vllm_onlinespec.drafter import LengthHead
+
+    c = cutter(head=LengthHead(8, width=4), head_trusted=True)
+    before = [p.data_ptr() for p in c.head.parameters()]
+    assert all(1 <= len(d) <= K for d in _cut(c))
+    assert [p.data_ptr() for p in c.head.parameters()] == before
+
+
 def test_missing_hidden_states_are_a_counted_skip():
     skips = []
     c = cutter(head=ConstHead(0.5), head_trusted=True, on_skip=skips.append)
@@ -371,3 +395,67 @@ def test_observe_draft_hidden_never_raises_into_vllms_drafter():
     s.cutter = SimpleNamespace(observe_hidden=_boom)
     OnlineSession.observe_draft_hidden(s, torch.zeros(1))
     assert s.guard.errors == {G.DRAFT_HIDDEN: 1}
+
+
+class FakeTpGroup:
+    """Rank 0 and rank 1 of a TP group in one process: rank 0's broadcasts are queued for rank 1
+    (src is always 0, so rank 0 never waits and the two can step one after the other)."""
+
+    def __init__(self, rank: int, wire: list):
+        self.rank_in_group, self.world_size, self.wire = rank, 2, wire
+        self.snapshots_sent = 0
+
+    def broadcast_object(self, obj=None, src=0):
+        if self.rank_in_group == 0:
+            self.wire.append(obj)
+            return obj
+        return self.wire.pop(0)
+
+    def broadcast_tensor_dict(self, data=None, src=0):
+        if self.rank_in_group == 0:
+            self.snapshots_sent += 1
+            self.wire.append({k: v.clone() for k, v in data.items()})
+            return data
+        return self.wire.pop(0)
+
+
+class SteppedLearner(FakeLearner):
+    """A new version every other step (the learner is slower than serving)."""
+
+    def latest(self):
+        self.calls += 1
+        v = (self.calls + 1) // 2
+        return v, {"drafter.w": torch.full((2,), float(v)), "length_head.x": torch.tensor(float(v))}
+
+
+def test_tp_ranks_publish_the_same_versions_between_the_same_steps():
+    wire: list = []
+    r0 = bare_session(tp=FakeTpGroup(0, wire), leader=True)
+    r0.parts = SimpleNamespace(learner=SteppedLearner(), buffer=FakeBuffer())
+    r1 = bare_session(tp=FakeTpGroup(1, wire), leader=False)
+    r1.parts = None  # no learner off rank 0
+    for _ in range(6):
+        for s in (r0, r1):  # every rank runs every step's after_step
+            s.after_step(None, None, None)
+            assert not s.guard.errors
+        assert r0.publisher.version == r1.publisher.version
+    assert [v for v, _ in r1.publisher.got] == [1, 2, 3]
+    assert all(torch.equal(a[1]["drafter.w"], b[1]["drafter.w"])
+               for a, b in zip(r0.publisher.got, r1.publisher.got))
+    assert r0.tp.snapshots_sent == 3 and not wire  # one snapshot per new version, nothing left
+
+
+def test_tp_rank0_resumed_version_still_reaches_the_other_ranks():
+    """Rank 0 publishes a resumed checkpoint at start-up, before any step: the next step must
+    still send it (decided from the version shared over TP, not rank 0's own)."""
+    wire: list = []
+    r0 = bare_session(tp=FakeTpGroup(0, wire), leader=True)
+    r0.parts = SimpleNamespace(learner=SimpleNamespace(
+        latest=lambda: (5, {"drafter.w": torch.ones(2), "length_head.x": torch.tensor(5.0)}),
+        notify=lambda: None), buffer=FakeBuffer())
+    r0.publisher.version = 5  # what _resume did
+    r1 = bare_session(tp=FakeTpGroup(1, wire), leader=False)
+    r1.parts = None
+    for s in (r0, r1):
+        s.after_step(None, None, None)
+    assert r1.publisher.version == 5 and not wire

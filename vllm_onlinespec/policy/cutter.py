@@ -92,8 +92,9 @@ class DraftCutter:
         pred = None
         if self.head_in_use:
             if hidden is not None and hidden.shape[0] == B * self.K:
+                head = self.head_on(hidden.device)
                 with torch.inference_mode():
-                    pred = self.head(hidden.float().view(B, self.K, -1)).tolist()
+                    pred = head(hidden.float().view(B, self.K, -1)).tolist()
             else:
                 self.on_skip("no_draft_hidden")
         lengths, reason = self.policy.lengths(pred, self.K, B)
@@ -101,6 +102,15 @@ class DraftCutter:
         self.last_reason = reason
         self.verified += sum(len(d) for d in out)
         return out
+
+    def head_on(self, device: torch.device) -> nn.Module:
+        """The head, moved once to where vLLM's drafter hands over its hidden states (a CUDA
+        tensor on a GPU): predicting where the states are costs no host copy of [B*K, H].
+        Later refreshes copy into these parameters, so they stay on that device."""
+        p = next(self.head.parameters(), None)
+        if p is not None and p.device != device:
+            self.head.to(device)
+        return self.head
 
     def observe(self, drafted: list[int] | None, accepted: list[int]) -> None:
         if drafted is None:

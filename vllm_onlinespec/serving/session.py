@@ -32,7 +32,7 @@ from vllm_onlinespec.serving.metrics import MetricsWriter
 from vllm_onlinespec.serving.publish import Publisher
 from vllm_onlinespec.serving.stats import BufferStats, CutterStats, LearnerStats, OnlineSpecStats
 from vllm_onlinespec.serving.trace import DraftTracer
-from vllm_onlinespec.serving.validate import config_from_vllm
+from vllm_onlinespec.serving.validate import config_from_vllm, drafter_dir
 
 logger = logging.getLogger("vllm_onlinespec")
 # Token counts the start-up probe times: decode-sized to a full verify batch of a busy server.
@@ -48,8 +48,12 @@ class OnlineSession:
         self.guard = guard or HookGuard()
         self.K = compat.num_speculative_tokens(runner.vllm_config)
         self.steps = 0
+        # Under TP: rank 0 learns and publishes to every rank (compat/parallel.py).
+        self.tp = compat.tp_group()
+        self.leader = compat.tp_rank(self.tp) == 0
+        self._tp_shared = 0  # the newest version broadcast to every rank
         self.publisher = Publisher(runner, repack=cfg.publish.repack and cfg.enabled)
-        self.tracer = DraftTracer.maybe(cfg, runner, self.guard)
+        self.tracer = DraftTracer.maybe(cfg, runner, self.guard) if self.leader else None
         self.metrics = MetricsWriter()
         self.oracle = None
         if cfg.oracle.accept_len is not None:
@@ -61,7 +65,7 @@ class OnlineSession:
         # The version of vLLM's drafter that proposed the drafts the next step verifies.
         self._drafted_by = 0
 
-        drafter_path = cfg.drafter or compat.draft_model_path(runner.vllm_config)
+        drafter_path = str(drafter_dir(runner.vllm_config, cfg))  # a hub id: vLLM's snapshot
         head, trusted = self._build(runner, drafter_path)
         self.cutter = DraftCutter(cfg.length_head, self.K, head=head, head_trusted=trusted,
                                   on_skip=self.guard.skip)
@@ -102,7 +106,11 @@ class OnlineSession:
         if cfg.enabled:
             from vllm_onlinespec.learner.factory import build_learner
 
-            embed, lm_head = compat.target_embed_and_head(runner)
+            embed, lm_head = compat.target_embed_and_head(runner)  # every rank: a collective
+            if not self.leader:
+                # Other ranks only follow rank 0's publishes; their head refreshes from them.
+                head = self._checkpoint_head(drafter_path) if wants_head else None
+                return head, head is not None
             self.parts = build_learner(cfg, drafter_path, embed, lm_head, self.K,
                                        train_length_head=wants_head and cfg.length_head.train)
             if not wants_head:
@@ -211,14 +219,28 @@ class OnlineSession:
             self.learner.notify()
 
     def _publish(self) -> None:
-        if self.learner is None:
+        if not self.cfg.enabled:
             return
-        latest = self.learner.latest()  # once: the head refresh sees what vLLM got
-        if self.publisher.publish(latest):
+        latest = self.learner.latest() if self.learner is not None else None  # once: the
+        if self.tp is not None:  # head refresh sees what vLLM got
+            latest = self._share_with_ranks(latest)
+        if latest is not None and self.publisher.publish(latest):
             self.cutter.refresh(latest[1], latest[0])
 
+    def _share_with_ranks(self, latest):
+        """Rank 0's newest version reaches every rank at this same step (every rank calls this
+        once per step: a collective). Returns (version, snapshot) where it is new, else None."""
+        # Compared with the version last shared, which every rank holds alike (a rank-local
+        # figure, e.g. rank 0's resumed publish, would let the ranks disagree and hang).
+        shared = self._tp_shared
+        version = compat.broadcast_version(self.tp, latest[0] if latest is not None else shared)
+        if version <= shared:
+            return None
+        self._tp_shared = version
+        return version, compat.broadcast_snapshot(self.tp, latest[1] if self.leader else None)
+
     def _write_metrics(self) -> None:
-        if self.metrics.due():
+        if self.leader and self.metrics.due():  # one file per engine: rank 0's (it learns)
             self.metrics.write(self.stats(), self.info())
 
     def cut_drafts(self, drafts: Any) -> Any:
@@ -257,7 +279,7 @@ class OnlineSession:
 
         # Only a learning engine's drafter is republished (and so kept in plain, readable
         # weights); without a learner there is nothing a publish could have got wrong.
-        if self.learner is None or compat.drafter_module(self.runner) is None:
+        if not self.cfg.enabled or compat.drafter_module(self.runner) is None:
             return ""
         return state_digest(compat.read_draft_weights(self.runner))
 

@@ -3,6 +3,7 @@ process is spawned (called from the EngineArgs hook in compat/patches.py and by 
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 from vllm_onlinespec.config import ConfigError, OnlineSpecConfig
@@ -28,3 +29,19 @@ def config_from_vllm(vllm_config: Any) -> OnlineSpecConfig:
         raise ConfigError(f"onlinespec.oracle.accept_len: must be <= num_speculative_tokens + 1 "
                           f"= {k + 1} (got {cfg.oracle.accept_len:g})")
     return cfg
+
+
+def drafter_dir(vllm_config: Any, cfg: OnlineSpecConfig, allow_download: bool = False) -> Path:
+    """The local folder of the drafter the learner reads: `onlinespec.drafter` if given, else
+    vLLM's speculative model, a hub id resolved to the snapshot vLLM uses (same revision and
+    download dir). The API-server process may download it (vLLM would, a moment later, into
+    the same cache); workers only read the cache. Raises DrafterNotFound (one line)."""
+    from vllm_onlinespec.drafter.source import DrafterNotFound, resolve_drafter_dir
+
+    model, revision, download_dir = vc.draft_model_source(vllm_config)
+    name = cfg.drafter or model
+    if not name:
+        raise DrafterNotFound("onlinespec: no drafter (--speculative-config has no model)")
+    if cfg.drafter:  # ours, not vLLM's: vLLM's revision does not apply to it
+        revision = None
+    return resolve_drafter_dir(name, revision, download_dir, allow_download=allow_download)

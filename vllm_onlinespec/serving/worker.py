@@ -23,9 +23,11 @@ class SpecDecodeWorker(_Base):  # type: ignore[misc, valid-type]
         return super().init_device()
 
     def _make_model_runner(self):  # GPU worker hook (gpu_worker.py:563)
-        if compat.use_v2_runner():
+        if getattr(self, "use_v2_model_runner", False):  # gpu_worker.py:237, from VllmConfig
+            # The EngineArgs hook selects V1 for every engine that asks for onlinespec; only a
+            # worker_cls given without `additional_config` can get here with V2.
             raise RuntimeError("vllm_onlinespec.SpecDecodeWorker needs vLLM's V1 model runner; "
-                               "unset VLLM_USE_V2_MODEL_RUNNER")
+                               "set VLLM_USE_V2_MODEL_RUNNER=0")
         return runner_class(compat.base_runner_class())(self.vllm_config, self.device)
 
     def compile_or_warm_up_model(self, *args, **kwargs):

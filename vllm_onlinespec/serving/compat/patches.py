@@ -5,8 +5,9 @@ The general plugin calls `apply_patches()` in every vLLM process. What it instal
   logging        our records go to vLLM's handlers                          every process
   CPU sampling   cpu_defects.py, via the platform's kernel-override hook     every engine on CPU
   DFlash k-norm  per-layer context-key norm (design §5.1)                   every engine on CPU
-  EngineArgs     worker selection, start-up validation, Intel OpenMP        every process, but a
-                 pass-through unless the engine asks for onlinespec
+  EngineArgs     worker selection, start-up validation, Intel OpenMP,       every process, but a
+                 V1 runner, no async scheduling (engine_args.py)             pass-through unless the
+                                                                             engine asks for onlinespec
 
 The first three are vLLM correctness fixes that any user of a DFlash or sampling engine on CPU
 needs, so they stay on for everyone. The EngineArgs hook has to see every engine's arguments to
@@ -21,6 +22,7 @@ import logging
 
 import torch
 
+from vllm_onlinespec.serving.compat import engine_args
 from vllm_onlinespec.serving.compat import vllm_config as vc
 
 logger = logging.getLogger("vllm_onlinespec")
@@ -105,38 +107,45 @@ def _select_worker_and_validate_config() -> None:
 
     def create_engine_config(self, *args, **kwargs):
         requested = vc.ours_requested(self)
-        # Before vLLM's CPU platform picks an OpenMP runtime for the workers it will spawn.
         if requested:
+            for line in engine_args.prepare(self):  # runner, scheduling, parallelism
+                _log_once(line)
+            # Before vLLM's CPU platform picks an OpenMP runtime for the workers it will spawn.
             preload_intel_openmp()
         vllm_config = orig(self, *args, **kwargs)
         if not requested:
             return vllm_config
+        engine_args.check(vllm_config)
         pc = vllm_config.parallel_config
         ours = pc.worker_cls in vc.WORKER_NAMES
         if "onlinespec" in vc.additional_config(vllm_config) and pc.worker_cls in vc.DEFAULT_WORKERS:
             pc.worker_cls, ours = vc.WORKER_QUALNAME, True
         if ours:
-            from vllm_onlinespec.serving.validate import config_from_vllm
+            from vllm_onlinespec.serving.validate import config_from_vllm, drafter_dir
 
-            config_from_vllm(vllm_config)
+            drafter_dir(vllm_config, config_from_vllm(vllm_config), allow_download=True)
         return vllm_config
 
     EngineArgs.create_engine_config = create_engine_config
     EngineArgs._onlinespec_wrapped = True
 
 
-_iomp_logged = False
+_logged: set[str] = set()
+
+
+def _log_once(line: str, key: str | None = None) -> None:
+    """A process builds several engines in tests and benchmarks: say each decision once (per
+    `key`: the second engine's "already preloaded" is the same decision as the first's)."""
+    if (key or line) not in _logged:
+        _logged.add(key or line)
+        logger.info(line)
 
 
 def preload_intel_openmp() -> None:
-    global _iomp_logged
     from vllm.platforms import current_platform
 
     if not current_platform.is_cpu():
         return
     from vllm_onlinespec.serving import openmp
 
-    decision = openmp.apply_for_speculative_engine()
-    if not _iomp_logged:
-        _iomp_logged = True
-        logger.info(decision.line())
+    _log_once(openmp.apply_for_speculative_engine().line(), key="iomp")

@@ -27,6 +27,15 @@ def draft_model_path(vllm_config: Any) -> str | None:
     return getattr(cfg, "model", None) if cfg is not None else None
 
 
+def draft_model_source(vllm_config: Any) -> tuple[str | None, str | None, str | None]:
+    """(model, revision, download_dir) of vLLM's drafter: how vLLM itself fetched its files."""
+    spec = getattr(vllm_config, "speculative_config", None)
+    cfg = getattr(spec, "draft_model_config", None)
+    load = getattr(vllm_config, "load_config", None)
+    return (getattr(cfg, "model", None), getattr(cfg, "revision", None),
+            getattr(load, "download_dir", None))
+
+
 def spec_method(vllm_config: Any) -> str | None:
     spec = getattr(vllm_config, "speculative_config", None)
     return getattr(spec, "method", None) if spec is not None else None
@@ -38,8 +47,3 @@ def ours_requested(engine_args: Any) -> bool:
     worker = getattr(engine_args, "worker_cls", None)
     return (isinstance(extra, dict) and "onlinespec" in extra) or worker in WORKER_NAMES
 
-
-def use_v2_runner() -> bool:
-    import vllm.envs as envs
-
-    return bool(getattr(envs, "VLLM_USE_V2_MODEL_RUNNER", False))
