@@ -100,11 +100,16 @@ class OnlineSession:
         cfg = self.cfg
         wants_head = cfg.length_head.policy != "fixed"
         if cfg.enabled:
+            from vllm_onlinespec.learner.device import module_device, resolve_device
             from vllm_onlinespec.learner.factory import build_learner
 
             embed, lm_head = compat.target_embed_and_head(runner)
+            # "auto": the learner lives where vLLM's drafter does (publishing stays on-device).
+            device = resolve_device(cfg.learner_device,
+                                    module_device(compat.drafter_module(runner)) or lm_head.device)
             self.parts = build_learner(cfg, drafter_path, embed, lm_head, self.K,
-                                       train_length_head=wants_head and cfg.length_head.train)
+                                       train_length_head=wants_head and cfg.length_head.train,
+                                       device=device)
             if not wants_head:
                 return None, False
             trained = self.parts.bundle.length_head
