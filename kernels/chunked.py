@@ -45,6 +45,39 @@ def default_chunk_size(n: int, h: int, v: int) -> int:
     return max(1, min(n, max(16, c, budget_rows)))
 
 
+#: Size of one float32 slice of the head cast at a time when the head is not float32.
+HEAD_SLICE_BYTES = 8 * 2**20
+
+
+def head_slice_rows(w: torch.Tensor) -> int:
+    """Vocabulary rows per float32 slice of a non-float32 head (all of it for a float32 one)."""
+    if w.dtype == torch.float32:
+        return max(1, w.shape[0])
+    return max(1, HEAD_SLICE_BYTES // (4 * max(1, w.shape[1])))
+
+
+def logits_f32(x: torch.Tensor, w: torch.Tensor, rows: int) -> torch.Tensor:
+    """``x.float() @ w.T`` in float32 without a float32 copy of the whole head: a bf16 head
+    (the target's own, used in place) is cast one vocabulary slice of ``rows`` rows at a time."""
+    x = x.float()
+    if w.dtype == torch.float32:
+        return x @ w.T
+    out = torch.empty(x.shape[0], w.shape[0], dtype=torch.float32, device=x.device)
+    for v0 in range(0, w.shape[0], rows):
+        out[:, v0:v0 + rows] = x @ w[v0:v0 + rows].float().T
+    return out
+
+
+def grad_f32(g: torch.Tensor, w: torch.Tensor, rows: int) -> torch.Tensor:
+    """``g @ w`` (g float32 ``[n, V]``) in float32, casting a non-float32 head slice by slice."""
+    if w.dtype == torch.float32:
+        return g @ w
+    out = torch.zeros(g.shape[0], w.shape[1], dtype=torch.float32, device=g.device)
+    for v0 in range(0, w.shape[0], rows):
+        out.addmm_(g[:, v0:v0 + rows], w[v0:v0 + rows].float())
+    return out
+
+
 def row_epilogue(ce, kl, pw, *, alpha, temperature, clip, mode):
     """Per-position combination shared by the chunked and the Triton paths.
 
@@ -96,8 +129,10 @@ class ChunkedDistillLoss(GradInForward):
         v = w.shape[0]
         T = float(temperature)
         need_grad = ctx.needs_input_grad[0]
+        # The head is read in place: a non-float32 one (the target's bf16 LM head) is cast per
+        # vocabulary slice inside logits_f32/grad_f32, never copied whole.
         wf = w.detach()
-        wf = wf if wf.dtype == torch.float32 else wf.float()  # one float32 copy of the head
+        rows = head_slice_rows(wf)
         pwf = pw.detach().float()
         pwn = pwf / pwf.sum().clamp_min(EPS)
         c = int(chunk_size) if chunk_size else default_chunk_size(n, h, v)
@@ -109,8 +144,8 @@ class ChunkedDistillLoss(GradInForward):
 
         for s in range(0, n, c):
             e = min(s + c, n)
-            q = hd[s:e].detach().float() @ wf.T  # [c, V]
-            p = ht[s:e].detach().float() @ wf.T
+            q = logits_f32(hd[s:e].detach(), wf, rows)  # [c, V]
+            p = logits_f32(ht[s:e].detach(), wf, rows)
             t = p.argmax(dim=-1)
             tgt_ids[s:e] = t
             draft_ids[s:e] = q.argmax(dim=-1)
@@ -145,7 +180,7 @@ class ChunkedDistillLoss(GradInForward):
                 g.mul_(coef_ce[:, None])
                 if gk is not None:
                     g.add_(gk.mul_(coef_kl[:, None]))
-                grad_hd[s:e] = g @ wf
+                grad_hd[s:e] = grad_f32(g, wf, rows)
             del q, gk
 
         GradInForward.stash(ctx, grad_hd, hd, n_inputs=9)

@@ -265,17 +265,27 @@ def distill_forward_triton(hd, ht, w, pw, *, alpha, temperature, clip, mode, nee
     v = w.shape[0]
     dev = hd.device
     interp = INTERPRETED
+    native = (torch.float32, torch.bfloat16, torch.float16)
     cdt = w.dtype if (hd.dtype == ht.dtype == w.dtype) else torch.float32
-    if cdt not in (torch.float32, torch.bfloat16, torch.float16):
+    if cdt not in native:
         cdt = torch.float32
-    hd_, ht_, w_ = _prepare(hd, cdt), _prepare(ht, cdt), _prepare(w, cdt)
+    # Mixed dtypes (float32 hidden states, the target's bf16 head): the head is read in place
+    # and each tile is cast to float32 inside the kernels (UPCAST), so no float32 copy of the
+    # [V, h] head is ever made; only the small [N, h] inputs are converted.
+    mixed = cdt == torch.float32 and w.dtype != torch.float32 and w.dtype in native
+    hd_, ht_ = _prepare(hd, cdt), _prepare(ht, cdt)
+    w_ = _prepare(w, w.dtype if mixed else cdt)
     cfg = _config(n, v, h, dev, interp)
     if config:
         cfg.update(config)
     if chunk_size:
         cfg["chunk"] = int(chunk_size)
-    upcast = interp and cdt != torch.float32
+    upcast = (interp and cdt != torch.float32) or mixed
     prec = FP32_DOT_PRECISION if (cdt == torch.float32 or upcast) else "tf32"
+    if mixed and not interp:
+        # tf32 keeps all of a bf16 head's mantissa (10 bits >= 7) and runs on tensor cores;
+        # exact float32 ("ieee") dots would cost ~10x for nothing the head could resolve.
+        prec = "tf32"
     mode_id = _MODE_ID[mode]
     T = float(temperature)
     inv_T = 1.0 / T

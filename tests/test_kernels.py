@@ -239,6 +239,31 @@ def test_argmax_ties_pick_first_index(impl):
     assert torch.equal(out.draft_ids, ref.draft_ids)
 
 
+@pytest.mark.parametrize("impl", ["chunked", pytest.param("triton", marks=needs_triton)])
+@pytest.mark.parametrize("mode", MODES)
+def test_bf16_head_with_fp32_hidden_states(impl, mode, monkeypatch):
+    """The learner passes the target's bf16 LM head in place with float32 drafter states: the
+    loss and gradient equal those with a float32 copy of that head (the kernels cast it per
+    slice / per tile instead of copying it)."""
+    from vllm_onlinespec.kernels import chunked
+
+    monkeypatch.setattr(chunked, "HEAD_SLICE_BYTES", 4 * 16 * 40)  # 40-row slices, ragged last
+    n, h, v = 33, 16, 257
+    hd, ht, w32, pw = make_inputs(n, h, v, torch.float32, seed=10)
+    w = w32.to(torch.bfloat16)
+    assert chunked.head_slice_rows(w) == 40
+    ref, g_ref = run("naive", hd, ht, w.float(), pw, mode=mode, clip=None)
+    out, g = run(impl, hd, ht, w, pw, mode=mode, clip=None, chunk_size=8 if impl == "chunked" else None)
+    exact = not (CUDA and impl == "triton")  # on a GPU the mixed-dtype dots run in tf32
+    tol = dict(rtol=1e-5, atol=1e-5) if exact else dict(rtol=5e-3, atol=5e-3)
+    torch.testing.assert_close(out.loss, ref.loss, **tol)
+    gtol = dict(rtol=1e-4, atol=1e-6) if exact else dict(rtol=2e-2, atol=1e-2 * g_ref.abs().max().item())
+    torch.testing.assert_close(g, g_ref, **gtol)
+    if exact:
+        assert torch.equal(out.target_ids, ref.target_ids)
+        assert torch.equal(out.draft_ids, ref.draft_ids)
+
+
 # --------------------------------------------------------------------------- API
 
 

@@ -18,7 +18,7 @@ import os
 from typing import Annotated, Any, Literal, get_args
 
 import annotated_types as at
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 ROOT = "onlinespec"
 
@@ -248,6 +248,16 @@ class OnlineSpecConfig(_Section):
         16, ge=1, description="wait until the buffer holds at least this many fresh (untrained) "
         "tokens before an update (>= 1)")
 
+    # -- where the learner computes ------------------------------------------------------------
+    learner_device: str = Field(
+        "auto", description="torch device of the learner (its drafter copy, length head, "
+        "update-rule state, batches and loss): 'auto' = where vLLM's drafter lives (the GPU "
+        "of a GPU worker, else 'cpu'), or 'cpu', 'cuda', 'cuda:1', ...")
+    learner_dtype: Literal["float32", "bfloat16"] = Field(
+        "float32", description="dtype of the learner's trainable parameters and update-rule "
+        "state: 'float32', or 'bfloat16' (CUDA only; halves the learner's memory, updates "
+        "round to bf16)")
+
     trace_dir: str | None = Field(
         None, description="write what vLLM's drafter computed at every step (block positions, "
         "mask-row hidden states) to this directory, for parity checks (None = off)")
@@ -263,6 +273,29 @@ class OnlineSpecConfig(_Section):
         default_factory=LengthHeadConfig, description="verify-length head and policy")
     oracle: OracleConfig = Field(
         default_factory=OracleConfig, description="benchmark-only forced acceptance (off)")
+
+    @field_validator("learner_device")
+    @classmethod
+    def _known_device(cls, v: str) -> str:
+        if v == "auto":
+            return v
+        try:
+            import torch
+
+            dev = torch.device(v)
+        except (RuntimeError, ValueError, TypeError):
+            raise ValueError(f"not a torch device: 'auto', 'cpu', 'cuda' or 'cuda:N' "
+                             f"(got {v!r})") from None
+        if dev.type not in ("cpu", "cuda", "meta"):  # meta: placement tests build on it
+            raise ValueError(f"must be 'auto', 'cpu', 'cuda' or 'cuda:N' (got {v!r})")
+        return v
+
+    @model_validator(mode="after")
+    def _bf16_needs_cuda(self) -> "OnlineSpecConfig":
+        if self.learner_dtype == "bfloat16" and self.learner_device == "cpu":
+            raise ValueError("learner_dtype 'bfloat16' needs a CUDA learner_device (CPU "
+                             "training keeps float32 parameters)")
+        return self
 
     @model_validator(mode="after")
     def _oracle_is_explicit(self) -> "OnlineSpecConfig":

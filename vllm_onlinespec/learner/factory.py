@@ -9,6 +9,13 @@ K (the drafter's weights do not depend on it). The learner trains what is served
 the drafter gets block_size = K + 1, so blocks have K labels, the position weights and the
 length head's label (accepted + 1) / (K + 1) use vLLM's K, and the holdback is K. Checkpoints
 keep the block_size the drafter came with (the weights are the same either way).
+
+Device: everything the learner owns (its drafter copy, the length head, the update rule's state,
+batches and the loss) lives on `device` (cfg.learner_device; "auto" = where vLLM's drafter is,
+which the serving layer passes). The target's embedding and LM head are read in place, never
+cloned or converted: at Qwen3-8B size each is a 1.2 GB [V, H] matrix, and the loss kernels cast
+a bf16 head per slice/tile themselves. Only a learner on another device than the target gets
+one copy of each, in their own dtype.
 """
 
 from __future__ import annotations
@@ -25,11 +32,13 @@ from torch import nn
 
 from ..config import LossConfig, OnlineSpecConfig
 from ..drafter import DFlashConfig, LengthHead, load_drafter, save_drafter
-from .batches import make_batch_fn
+from .batches import BlockBatch, make_batch_fn
 from .buffer import FeedbackBuffer
+from .device import learner_dtype, normalize_device, resolve_device
 from .learner import OnlineLearner
 
 logger = logging.getLogger("vllm_onlinespec")
+DTYPES_BY_NAME = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 class TrainBundle(nn.Module):
@@ -42,23 +51,53 @@ class TrainBundle(nn.Module):
         self.length_head = length_head
 
 
+def loss_impl(device: torch.device) -> str:
+    """The fused Triton loss on CUDA when triton is importable, else the chunked PyTorch one
+    (never the naive [N, V] reference: it is for tests)."""
+    from ..kernels import triton_available
+
+    return "triton" if device.type == "cuda" and triton_available() else "chunked"
+
+
+def on_device(w: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """`w` itself when it is on `device` (read in place); else one copy there, same dtype."""
+    return w if w.device == device else w.detach().to(device)
+
+
 class DistillObjective:
     """loss_fn(bundle, batch) for OnlineLearner: training.blocks.block_loss against the target's
-    frozen embedding and LM head (float32 CPU copies)."""
+    frozen embedding and LM head, used read-only in place (see the module docstring)."""
 
-    def __init__(self, embed_w: torch.Tensor, lm_head_w: torch.Tensor, loss_cfg: LossConfig) -> None:
-        with torch.inference_mode(False):
-            self.embed_w = embed_w.detach().to("cpu", torch.float32).clone()
-            self.lm_head_w = lm_head_w.detach().to("cpu", torch.float32).clone()
+    def __init__(self, embed_w: torch.Tensor, lm_head_w: torch.Tensor, loss_cfg: LossConfig,
+                 device: torch.device | str | None = None) -> None:
+        self.device = normalize_device(device) if device is not None else lm_head_w.device
+        self.embed_w = on_device(embed_w, self.device)
+        self.lm_head_w = on_device(lm_head_w, self.device)
         self.loss_cfg = loss_cfg
+        self.impl = loss_impl(self.device)
 
-    def __call__(self, model: TrainBundle, batch: Any) -> tuple[torch.Tensor, dict]:
+    def to_device(self, batch: BlockBatch) -> BlockBatch:
+        """The batch on the learner's device (the buffer keeps feedback on the host)."""
+        if batch.ids.device == self.device:
+            return batch
+        # non_blocking: pinned-or-not, the copies are ordered on the learner's stream before
+        # the loss reads them.
+        mv = lambda t: t.to(self.device, non_blocking=True)  # noqa: E731
+        return dataclasses.replace(batch, ids=mv(batch.ids), aux=mv(batch.aux),
+                                   final_hidden=mv(batch.final_hidden),
+                                   lengths=mv(batch.lengths), anchors=mv(batch.anchors))
+
+    def __call__(self, model: TrainBundle, batch: BlockBatch) -> tuple[torch.Tensor, dict]:
         from ..training.blocks import block_loss
 
-        loss, stats = block_loss(model.drafter, batch.ids, batch.aux.float(),
-                                 batch.final_hidden.float(), batch.anchors, self.embed_w,
+        batch = self.to_device(batch)
+        # Features in the training dtype (float32 on CPU; bf16 when the learner trains in bf16).
+        dtype = model.drafter.dtype
+        loss, stats = block_loss(model.drafter, batch.ids, batch.aux.to(dtype),
+                                 batch.final_hidden.to(dtype), batch.anchors, self.embed_w,
                                  self.lm_head_w, loss_cfg=self.loss_cfg,
-                                 length_head=model.length_head, lengths=batch.lengths)
+                                 length_head=model.length_head, lengths=batch.lengths,
+                                 impl=self.impl)
         return loss, stats.as_dict()
 
 
@@ -80,14 +119,24 @@ class LearnerParts:
 
 
 def build_learner(cfg: OnlineSpecConfig, drafter_path: str | Path, embed_w: torch.Tensor,
-                  lm_head_w: torch.Tensor, K: int, *, train_length_head: bool) -> LearnerParts:
+                  lm_head_w: torch.Tensor, K: int, *, train_length_head: bool,
+                  device: torch.device | str | None = None) -> LearnerParts:
     """A learner (not started) for the drafter at `drafter_path`, serving K draft tokens.
 
     train_length_head: train a length head beside the drafter (the checkpoint's, else a fresh
     one). The caller decides: a head is only worth training for a policy that consults it,
     and only when `length_head.train` asks for it.
+    device: the learner's device; default cfg.learner_device, where "auto" means the device of
+    the target's LM head (the serving layer passes vLLM's drafter's device instead).
     """
-    dcfg, drafter, ckpt_head = load_drafter(drafter_path, dtype=torch.float32)
+    dev = normalize_device(device) if device is not None else resolve_device(
+        cfg.learner_device, lm_head_w.device)
+    dtype = learner_dtype(cfg.learner_dtype, dev)
+    if dtype != DTYPES_BY_NAME[cfg.learner_dtype]:
+        logger.warning("onlinespec: learner_dtype %s ignored on %s: the learner trains in "
+                       "float32 there", cfg.learner_dtype, dev)
+    dcfg, drafter, ckpt_head = load_drafter(drafter_path, dtype=dtype)
+    drafter = drafter.to(dev)
     tcfg = served_config(dcfg, K)
     if tcfg is not dcfg:
         logger.info("onlinespec: drafter %s has block_size %d (%d draft tokens) but vLLM's "
@@ -97,7 +146,8 @@ def build_learner(cfg: OnlineSpecConfig, drafter_path: str | Path, embed_w: torc
     head = None
     if train_length_head:
         head = copy.deepcopy(ckpt_head) if ckpt_head is not None else LengthHead(dcfg.hidden_size)
-        head = head.to(torch.float32)
+        # The head is small and its MSE wants precision: float32 whatever the drafter's dtype.
+        head = head.to(device=dev, dtype=torch.float32)
     bundle = TrainBundle(drafter, head)
     buffer = FeedbackBuffer.from_config(cfg)
     make_batch = make_batch_fn(cfg.batch_blocks, cfg.anchors_per_request, holdback=K)
@@ -105,6 +155,6 @@ def build_learner(cfg: OnlineSpecConfig, drafter_path: str | Path, embed_w: torc
     def save_model(directory: Path) -> None:  # learner checkpoints stay loadable by vLLM
         save_drafter(directory, dcfg, bundle.drafter, bundle.length_head)
 
-    learner = OnlineLearner(bundle, cfg, DistillObjective(embed_w, lm_head_w, cfg.loss),
+    learner = OnlineLearner(bundle, cfg, DistillObjective(embed_w, lm_head_w, cfg.loss, dev),
                             make_batch, buffer, save_model=save_model, holdback=K)
     return LearnerParts(learner, buffer, bundle, dcfg, tcfg, ckpt_head)

@@ -26,6 +26,10 @@ seconds of wall time it sleeps `busy * (1/learner_cpu_share - 1)`, which keeps i
 at `learner_cpu_share` whatever the thread settings did. Wall time (not thread CPU time) is
 measured because torch's worker threads are not billed to the calling thread. Where the
 learner runs is `learner_cores` (see cores.py): by default the cores vLLM keeps off serving.
+
+Devices: the learner computes wherever its model's parameters are (device.py). On CUDA it
+works on its own stream, snapshots are device-to-device copies ordered for the serving stream by
+an event (Snapshot.wait_ready), and update/snapshot times come from CUDA events (timing.py).
 """
 
 from __future__ import annotations
@@ -36,7 +40,6 @@ import math
 import threading
 import time
 from pathlib import Path
-from types import MappingProxyType
 from typing import Any, Callable, Mapping
 
 import torch
@@ -48,12 +51,13 @@ from ..config import OnlineSpecConfig
 from . import checkpoint as ckpt
 from .algorithms import HedgeEnsemble, NonFiniteUpdate, OnlineAlgorithm, make_algorithm
 from .buffer import FeedbackBuffer
+from .device import Snapshot, normalize_device, on_stream, stream_for
+from .timing import Timer
 
 log = logging.getLogger(__name__)
 
 LossFn = Callable[[nn.Module, Any], "tuple[torch.Tensor, Mapping[str, float]]"]
 MakeBatch = Callable[[Any], Any]
-Snapshot = Mapping[str, torch.Tensor]
 
 
 class _NonFinite(NonFiniteUpdate):
@@ -69,8 +73,11 @@ class OnlineLearner:
                  ready: Callable[[Any], bool] | None = None,
                  save_model: Callable[[Path], None] | None = None,
                  idle_poll_s: float = 0.02, log_every: int = 100,
-                 name: str = "onlinespec-learner", holdback: int | None = None) -> None:
+                 name: str = "onlinespec-learner", holdback: int | None = None,
+                 snapshot_device: torch.device | str | None = None) -> None:
         """
+        snapshot_device: where published snapshots live; default the parameters' own device
+            (a device-to-device copy: no host round trip when the learner shares vLLM's GPU).
         holdback: newest tokens of each running request that make_batch leaves fresh for a
             later update (batches.BlockBatcher.holdback: the block size K). Default: make_batch's
             own `holdback` attribute when it has one, else 0.
@@ -93,6 +100,9 @@ class OnlineLearner:
                 self.params.append(p)
         if not self.params:
             raise ValueError("model has no trainable parameters")
+        self.device = self.params[0].device
+        self.snapshot_device = normalize_device(snapshot_device or self.device)
+        self._stream = stream_for(self.device)  # the learner's own CUDA stream (None off CUDA)
         self.algo = algorithm if algorithm is not None else make_algorithm(self.cfg, self.params)
         if holdback is None:
             holdback = int(getattr(make_batch, "holdback", 0))
@@ -126,6 +136,7 @@ class OnlineLearner:
         self.loss_ema = float("nan")
         self.update_ms = float("nan")
         self.update_ms_ema = float("nan")
+        self.snapshot_ms = float("nan")
         self.grad_norm = float("nan")
         self.busy_s = 0.0
         self.last_error: str | None = None
@@ -135,8 +146,10 @@ class OnlineLearner:
 
     # -- serving-side API ------------------------------------------------------------------------
     def latest(self) -> tuple[int, Snapshot]:
-        """(version, {name: tensor}) of the newest published weights. The mapping and tensors are
-        shared read-only CPU copies: never modify them; compare the version to skip re-loading."""
+        """(version, Snapshot {name: tensor}) of the newest published weights. The mapping and
+        tensors are shared read-only copies on `snapshot_device`: never modify them; compare the
+        version to skip re-loading; on CUDA call `snapshot.wait_ready()` in the reading thread
+        before reading them."""
         with self._pub:
             return self._published
 
@@ -218,17 +231,19 @@ class OnlineLearner:
                 return "error"
             if batch is None:
                 return "no_batch"
-        with self._model_lock:
+        with self._model_lock, on_stream(self._stream):
             return self._train_on(batch)
 
     def _train_on(self, batch: Any) -> str:
         t0 = time.perf_counter()
         self.attempts += 1
+        timer = Timer(self.device)
         try:
             # A transaction: on any exception (ours from _check_params included) the rule has
             # already put parameters and its own state back before it re-raises.
-            loss = self.algo.step_closure(lambda: self._loss_and_grads(batch),
-                                          check=self._check_params)
+            with timer:
+                loss = self.algo.step_closure(lambda: self._loss_and_grads(batch),
+                                              check=self._check_params)
         except NonFiniteUpdate as e:
             self._count_failure("skipped_nonfinite", "non-finite", e)
             return "nonfinite"
@@ -236,11 +251,11 @@ class OnlineLearner:
             self._count_failure("errors", "update", e)
             return "error"
         dt = time.perf_counter() - t0
-        self.busy_s += dt
+        self.busy_s += dt  # wall time: what the duty cycle (learner_cpu_share) is about
         self.updates += 1
         self.last_loss = loss
         self.loss_ema = loss if math.isnan(self.loss_ema) else 0.95 * self.loss_ema + 0.05 * loss
-        self.update_ms = dt * 1e3
+        self.update_ms = timer.ms
         self.update_ms_ema = (self.update_ms if math.isnan(self.update_ms_ema)
                               else 0.9 * self.update_ms_ema + 0.1 * self.update_ms)
         if self.updates % self.cfg.publish.every_n_updates == 0:
@@ -276,7 +291,8 @@ class OnlineLearner:
 
     @torch.no_grad()
     def _check_params(self) -> None:
-        if not all(bool(torch.isfinite(p).all()) for p in self.params):
+        # One host sync for all parameters (one per tensor costs ~60 syncs per update on a GPU).
+        if not bool(torch.stack([torch.isfinite(p).all() for p in self.params]).all()):
             raise _NonFinite("parameters after the update")
 
     def _count_failure(self, counter: str, what: str, e: BaseException) -> None:
@@ -291,8 +307,10 @@ class OnlineLearner:
     # -- publishing ------------------------------------------------------------------------------
     @torch.no_grad()
     def _snapshot(self) -> Snapshot:
-        return MappingProxyType({n: p.detach().to("cpu", copy=True)
-                                 for n, p in zip(self.names, self.params)})
+        with Timer(self.device) as t:
+            snap = Snapshot.copy_of(zip(self.names, self.params), self.snapshot_device)
+        self.snapshot_ms = t.ms
+        return snap
 
     def _publish(self, version: int) -> None:
         snap = self._snapshot()  # copy outside the lock: pollers never wait on a memcpy
@@ -317,7 +335,7 @@ class OnlineLearner:
         with self._model_lock:
             model_state = {n: p.detach().to("cpu", copy=True)
                            for n, p in zip(self.names, self.params)}
-            path = ckpt.save(directory, self.version, model_state, self.algo.state_dict(),
+            path = ckpt.save(directory, self.version, model_state, _to_cpu(self.algo.state_dict()),
                              self.state(), save_model=self.save_model,
                              keep_last=self.cfg.checkpoint.keep_last)
         self.last_checkpoint = path
@@ -390,7 +408,8 @@ class OnlineLearner:
             "errors": self.errors, "skipped_nonfinite": self.skipped_nonfinite,
             "checkpoint_errors": self.checkpoint_errors, "last_loss": self.last_loss,
             "loss_ema": self.loss_ema, "update_ms": self.update_ms,
-            "update_ms_ema": self.update_ms_ema, "grad_norm": self.grad_norm,
+            "update_ms_ema": self.update_ms_ema, "snapshot_ms": self.snapshot_ms,
+            "device": str(self.device), "grad_norm": self.grad_norm,
             "busy_s": self.busy_s, "running": self.running, "last_error": self.last_error}
         if isinstance(self.buffer, FeedbackBuffer):
             # What the default ready gate compares with min_new_tokens_per_update (held-back
@@ -401,3 +420,14 @@ class OnlineLearner:
             s["hedge_weights"] = self.algo.weights.tolist()
         s.update({f"loss/{k}": v for k, v in self.last_stats.items()})
         return s
+
+
+def _to_cpu(obj: Any) -> Any:
+    """Checkpoints hold CPU tensors whatever device the learner trains on."""
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().cpu()
+    if isinstance(obj, dict):
+        return {k: _to_cpu(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_to_cpu(v) for v in obj)
+    return obj

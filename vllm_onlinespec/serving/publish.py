@@ -31,9 +31,14 @@ class Publisher:
         version, snapshot = latest
         if version <= self.version:
             return False
+        # On CUDA the snapshot was copied on the learner's stream: order this (serving) stream
+        # after that copy before load_weights reads it. No-op for CPU snapshots.
+        wait_ready = getattr(snapshot, "wait_ready", None)
+        t0 = time.perf_counter()
+        if wait_ready is not None:
+            wait_ready()
         named = [(k[len(DRAFTER_PREFIX):], v) for k, v in snapshot.items()
                  if k.startswith(DRAFTER_PREFIX)]
-        t0 = time.perf_counter()
         compat.load_draft_weights(self.runner, named)
         if self.repack:
             compat.repack_drafter_linears(self.runner)

@@ -104,6 +104,7 @@ class OnlineSession:
         cfg = self.cfg
         wants_head = cfg.length_head.policy != "fixed"
         if cfg.enabled:
+            from vllm_onlinespec.learner.device import module_device, resolve_device
             from vllm_onlinespec.learner.factory import build_learner
 
             embed, lm_head = compat.target_embed_and_head(runner)  # every rank: a collective
@@ -111,8 +112,12 @@ class OnlineSession:
                 # Other ranks only follow rank 0's publishes; their head refreshes from them.
                 head = self._checkpoint_head(drafter_path) if wants_head else None
                 return head, head is not None
+            # "auto": the learner lives where vLLM's drafter does (publishing stays on-device).
+            device = resolve_device(cfg.learner_device,
+                                    module_device(compat.drafter_module(runner)) or lm_head.device)
             self.parts = build_learner(cfg, drafter_path, embed, lm_head, self.K,
-                                       train_length_head=wants_head and cfg.length_head.train)
+                                       train_length_head=wants_head and cfg.length_head.train,
+                                       device=device)
             if not wants_head:
                 return None, False
             trained = self.parts.bundle.length_head
@@ -237,7 +242,10 @@ class OnlineSession:
         if version <= shared:
             return None
         self._tp_shared = version
-        return version, compat.broadcast_snapshot(self.tp, latest[1] if self.leader else None)
+        snap = latest[1] if self.leader else None
+        if snap is not None and hasattr(snap, "wait_ready"):
+            snap.wait_ready()  # a CUDA snapshot's copy ends before the broadcast reads it
+        return version, compat.broadcast_snapshot(self.tp, snap)
 
     def _write_metrics(self) -> None:
         if self.leader and self.metrics.due():  # one file per engine: rank 0's (it learns)

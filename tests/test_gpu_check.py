@@ -1,0 +1,38 @@
+"""benchmarks/gpu_check.sh cannot rot: its CPU smoke mode runs the same three checks on tiny
+shapes (kernel tests, loss benchmark, one learner update + publish), and nothing it imports
+may import vLLM."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_gpu_check_smoke_runs_on_cpu(tmp_path):
+    env = dict(os.environ, PYTHON=sys.executable)
+    r = subprocess.run(["bash", str(REPO / "benchmarks" / "gpu_check.sh"), "--smoke", "--out",
+                        str(tmp_path)], cwd=tmp_path, env=env, capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert "[0] imports without vllm: ok" in r.stdout
+    rep = json.loads((tmp_path / "gpu.json").read_text())
+    assert rep["smoke"] and not rep["failures"]
+    assert rep["kernel_tests"]["rc"] == 0
+    assert {row["impl"] for row in rep["loss"]} == {"naive", "chunked"}
+    assert all(row["ms"] > 0 for row in rep["loss"])
+    (row,) = rep["learner"]
+    assert "error" not in row and row["update_ms"] > 0 and row["publish_ms"] >= 0
+    assert "| float32 |" in (tmp_path / "gpu.md").read_text()
+
+
+def test_gpu_check_refuses_vllm_imports():
+    code = ("import runpy, sys; runpy.run_path(sys.argv[1], run_name='x')\n"
+            "try:\n    import vllm\nexcept ImportError as e:\n    print('blocked', e)\n")
+    r = subprocess.run([sys.executable, "-c", code, str(REPO / "benchmarks" / "gpu_check.py")],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and "blocked" in r.stdout, r.stderr
