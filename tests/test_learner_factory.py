@@ -96,7 +96,7 @@ def test_length_head_rules(tmp_path):
 
     def build(path, **length_head):
         s = object.__new__(OnlineSession)
-        s.cfg, s.K, s.parts = cfg(length_head=length_head), 4, None
+        s.cfg, s.K, s.parts, s.leader = cfg(length_head=length_head), 4, None, True
         emb, lm = targets()
         runner = SimpleNamespace(model=SimpleNamespace(
             model=SimpleNamespace(embed_tokens=SimpleNamespace(weight=emb)),
