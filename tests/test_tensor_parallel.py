@@ -48,6 +48,16 @@ def make_tp_drafter(target: str, out) -> str:
     return str(out)
 
 
+def _restore(saved: dict) -> None:
+    import os
+
+    for k, v in saved.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
+
+
 @pytest.fixture(scope="module")
 def tp(smollm2_path, tmp_path_factory):
     import os
@@ -60,7 +70,14 @@ def tp(smollm2_path, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("tp2")
     target = make_target(tmp / "target", smollm2_path)
     drafter = make_tp_drafter(target, tmp / "drafter")
-    # Two ranks on two cores: vLLM-CPU reserves one core for the frontend by default.
+    # Two ranks on this one-NUMA-node box: vLLM-CPU's automatic binding wants a NUMA node per
+    # rank ("Not enough allowed NUMA nodes to bind threads of 2 local CPUWorkers"), so bind by
+    # hand, one core each, and reserve none for the frontend. Restored after the engine: later
+    # modules' single-rank engines must get vLLM's defaults.
+    saved = {k: os.environ.get(k) for k in ("VLLM_CPU_OMP_THREADS_BIND",
+                                            "VLLM_CPU_NUM_OF_RESERVED_CPU")}
+    if (os.cpu_count() or 1) >= 2 and saved["VLLM_CPU_OMP_THREADS_BIND"] is None:
+        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "0|1"
     os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
     try:
         llm = LLM(model=target, dtype="float32", tensor_parallel_size=2,
@@ -72,6 +89,7 @@ def tp(smollm2_path, tmp_path_factory):
                       "anchors_per_request": 8, "learner_cpu_share": 0.5,
                       "length_head": {"policy": "fixed"}}})
     except Exception as e:  # noqa: BLE001 - the issue's rule: skip with vLLM's own error
+        _restore(saved)
         pytest.skip(f"vLLM could not start TP = 2 here: {type(e).__name__}: {e}")
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
     outs, versions = [], []
@@ -92,6 +110,7 @@ def tp(smollm2_path, tmp_path_factory):
         digests = llm.collective_rpc("onlinespec_digest")
     finally:
         llm.llm_engine.engine_core.shutdown()
+        _restore(saved)
     return {"target": target, "drafter": drafter, "outs": outs, "ranks": per_rank,
             "digests": digests, "versions": versions}
 
