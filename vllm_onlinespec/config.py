@@ -118,7 +118,18 @@ class LengthHeadConfig(_Section):
         "verify step as a fraction of the block, (accepted + 1) / (K + 1); 'budget' divides the measured cost of a verified token by rho. > 1 verifies "
         "more, < 1 less")
     k_min: int = Field(
-        1, ge=1, description="never cut a draft below this many tokens (>= 1)")
+        1, ge=0, description="never cut a draft below this many tokens (>= 0; 0 lets 'budget' "
+        "verify nothing for a request whose draft does not pay)")
+    gate: bool = Field(
+        True, description="'budget' only: before drafting, decide whether the next step "
+        "speculates at all (policy/step_gate.py); a step that would not pay runs vLLM's "
+        "drafter at K = 0 (context K/V kept, no draft) and verifies nothing")
+    explore_every: int = Field(
+        32, ge=2, description="'budget' gate: while shut, every this-many-th step drafts anyway "
+        "so the acceptance estimate stays current (>= 2, steps)")
+    explore_requests: int = Field(
+        2, ge=1, description="'budget' gate: requests whose full draft an exploring step "
+        "verifies (>= 1)")
     train: bool = Field(
         True, description="train the length head online from accept/reject feedback (only "
         "when learning is on and the policy consults a head, i.e. not 'fixed'); false keeps a "

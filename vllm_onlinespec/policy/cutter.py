@@ -2,6 +2,8 @@
 
 One object per engine, driven by the serving layer at three points of a step:
 
+    plan_next(B, n)     before drafting ('budget' with its gate): speculate in the next step,
+                        or run vLLM's drafter at K = 0 (policy/step_gate.py)
     observe_hidden(h)   inside vLLM's drafter, the mask rows' final hidden states [B*K, H]
     cut(drafts)         before verification: each request's draft cut to the policy's length
                         (a prefix of what was drafted: lossless)
@@ -23,6 +25,7 @@ import torch
 from torch import nn
 
 from vllm_onlinespec.policy.budget import StepCostModel
+from vllm_onlinespec.policy.step_gate import GateDecision, StepGate
 from vllm_onlinespec.policy.verify_length import make_policy
 
 HEAD_WARMUP_VERSIONS = 50
@@ -50,6 +53,14 @@ class DraftCutter:
         self.drafted = self.verified = 0
         self.last_reason = ""
         self._hidden: torch.Tensor | None = None
+        self.gate: StepGate | None = None
+        if self.policy_name == "budget" and getattr(length_cfg, "gate", False):
+            self.gate = StepGate(K, self.policy.cost_model,
+                                 explore_every=length_cfg.explore_every,
+                                 explore_requests=length_cfg.explore_requests,
+                                 min_obs=self.policy.min_obs, rho=length_cfg.rho)
+        self._next = GateDecision(True, False, "")
+        self._base_tokens: int | None = None
 
     # -- what the serving layer asks -----------------------------------------------------------
     @property
@@ -76,6 +87,20 @@ class DraftCutter:
         return f"{self.policy.describe()}; length head: {self.head_state}"
 
     # -- a step ----------------------------------------------------------------------------------
+    def plan_next(self, batch_size: int, base_tokens: int | None = None) -> GateDecision:
+        """Before this step's drafter runs: whether it drafts K tokens for the next step (its
+        requests: `batch_size`; tokens besides drafts: `base_tokens`). Without a gate: always."""
+        self._base_tokens = base_tokens
+        if self.gate is None:
+            self._next = GateDecision(True, False, "")
+        else:
+            self._next = self.gate.decide(self.policy.stats, batch_size, base_tokens)
+        return self._next
+
+    def observe_draft_time(self, drafted: bool, seconds: float) -> None:
+        if self.gate is not None:
+            self.gate.timer.observe(drafted, seconds)
+
     def observe_hidden(self, hidden: torch.Tensor) -> None:
         if self.head is not None:
             self._hidden = hidden
@@ -88,6 +113,9 @@ class DraftCutter:
         if self.policy_name == "fixed" or not drafts:
             self.verified += sum(drafted)
             return drafts
+        if not any(drafted):  # the gate shut this step: vLLM drafted at K = 0
+            self.last_reason = self._next.reason
+            return drafts
         B = len(drafts)
         pred = None
         if self.head_in_use:
@@ -97,9 +125,13 @@ class DraftCutter:
                     pred = head(hidden.float().view(B, self.K, -1)).tolist()
             else:
                 self.on_skip("no_draft_hidden")
-        lengths, reason = self.policy.lengths(pred, self.K, B)
+        kw = {}
+        if self.policy_name == "budget":
+            kw = {"base_tokens": self._base_tokens,
+                  "force_full": self.gate.explore_requests if self._next.explore else 0}
+        lengths, reason = self.policy.lengths(pred, self.K, B, **kw)
         out = [d[: min(len(d), n)] for d, n in zip(drafts, lengths)]
-        self.last_reason = reason
+        self.last_reason = f"{reason}; {self._next.reason}" if self._next.reason else reason
         self.verified += sum(len(d) for d in out)
         return out
 

@@ -187,6 +187,21 @@ class OnlineSession:
             self.guard.skip(G.NO_STEP_VIEW)
         return view
 
+    def gate_drafting(self, scheduler_output: Any) -> tuple[Any, bool] | None:
+        """Before this step's drafter runs ('budget' only): tell the policy the next step's
+        batch and scheduled tokens besides drafts, and, where its gate says a speculative step
+        would not pay, hand vLLM a copy of the scheduler output asking for K = 0 (vLLM's own
+        dynamic-K path: context K/V still written, no draft). None: leave the step alone."""
+        if self.cutter.policy_name != "budget":
+            return None
+        B, base = compat.step_token_counts(scheduler_output)
+        if self.cutter.plan_next(B, base).draft:
+            return scheduler_output, True
+        return compat.with_spec_tokens(scheduler_output, 0), False
+
+    def observe_draft_time(self, drafted: bool, seconds: float) -> None:
+        self.cutter.observe_draft_time(drafted, seconds)
+
     def observe_draft_hidden(self, hidden: torch.Tensor) -> None:
         """Called inside vLLM's drafter, right before it samples: must never raise."""
         with self.guard(G.DRAFT_HIDDEN):
