@@ -206,8 +206,11 @@ class RecordingCutter:
         self.refreshed: list[tuple] = []
         self.observed = 0
 
-    def observe(self, drafted, accepted):
+    def observe(self, drafted, accepted, req_ids=None):
         self.observed += 1
+
+    def forget(self, req_ids):
+        pass
 
     def refresh(self, snapshot, version):
         self.refreshed.append((version, float(snapshot["length_head.x"])))
@@ -321,8 +324,11 @@ class ConstHead(torch.nn.Module):
 K = 4
 
 
-def cutter(policy="adaflash", **kw):
-    return DraftCutter(LengthHeadConfig(policy=policy, rho=1.0), K, **kw)
+def cutter(policy="adaflash", gate_labels=0, head_lr=0.0, **kw):
+    """Defaults: the head ungated and not learning from verification (the rules without
+    feedback); the tests of head_feedback set them."""
+    cfg = LengthHeadConfig(policy=policy, rho=1.0, head_gate_labels=gate_labels, head_lr=head_lr)
+    return DraftCutter(cfg, K, **kw)
 
 
 def _cut(c, B=2, hidden=True):

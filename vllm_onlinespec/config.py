@@ -130,6 +130,14 @@ class LengthHeadConfig(_Section):
     explore_requests: int = Field(
         2, ge=1, description="'budget' gate: requests whose full draft an exploring step "
         "verifies (>= 1)")
+    head_gate_labels: int = Field(
+        64, ge=0, description="consult the length head only after it has predicted this many "
+        "fresh verification labels (accepted counts of verified drafts) better than the "
+        "population estimate (>= 0 labels; 0 = no gate)")
+    head_lr: float = Field(
+        1e-3, ge=0.0, description="learning rate of the length head on real verification "
+        "labels, one Adam step per engine step on the serving thread (>= 0; 0 = off, the head "
+        "then follows the learner's publishes)")
     train: bool = Field(
         True, description="train the length head online from accept/reject feedback (only "
         "when learning is on and the policy consults a head, i.e. not 'fixed'); false keeps a "

@@ -115,14 +115,21 @@ class OnlineSession:
             # "auto": the learner lives where vLLM's drafter does (publishing stays on-device).
             device = resolve_device(cfg.learner_device,
                                     module_device(compat.drafter_module(runner)) or lm_head.device)
+            # A head learning from real verification (head_lr > 0) is the cutter's to train.
+            from_verification = cfg.length_head.head_lr > 0
             self.parts = build_learner(cfg, drafter_path, embed, lm_head, self.K,
-                                       train_length_head=wants_head and cfg.length_head.train,
+                                       train_length_head=(wants_head and cfg.length_head.train
+                                                          and not from_verification),
                                        device=device)
             if not wants_head:
                 return None, False
             trained = self.parts.bundle.length_head
             if trained is not None:  # trusted only if it came trained
                 return trained, self.parts.checkpoint_head is not None
+            if self.parts.checkpoint_head is None and from_verification and cfg.length_head.train:
+                from vllm_onlinespec.drafter import LengthHead
+
+                return LengthHead(self.parts.config.hidden_size), False  # learns from verification
             return self.parts.checkpoint_head, True
         return (self._checkpoint_head(drafter_path), True) if wants_head else (None, False)
 
@@ -227,7 +234,8 @@ class OnlineSession:
             self.guard.skip(G.NO_SAMPLER_OUTPUT)
             return
         accepted = compat.accepted_counts(sampled, view.num_draft_tokens)
-        self.cutter.observe(view.num_draft_tokens, accepted)
+        self.cutter.observe(view.num_draft_tokens, accepted, view.req_ids)
+        self.cutter.forget(view.finished_req_ids)
         if self.tracer is not None:
             self.tracer.record(view, accepted, sampled)
         if self.buffer is not None:
@@ -273,7 +281,8 @@ class OnlineSession:
         if not isinstance(ids, list):
             self.guard.skip(G.NON_LIST_DRAFTS)
             return drafts
-        drafts.draft_token_ids = self.cutter.cut(ids)
+        drafts.draft_token_ids = self.cutter.cut(ids, list(getattr(drafts, "req_ids", None) or [])
+                                                 or None)
         return drafts
 
     # -- reading ----------------------------------------------------------------------------------

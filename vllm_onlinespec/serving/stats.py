@@ -92,7 +92,8 @@ class CutterStats:
     """The draft cutter (length head -> verify-length policy -> cut)."""
 
     policy: str = "fixed"
-    head: str = "off"  # off | warming (trained online, not trusted yet) | on
+    head: str = "off"  # off | warming (the learner has not trained it yet) | gated (not yet
+    # better than the population estimate on fresh verification labels) | on
     drafted: int = 0  # draft tokens proposed before the cut
     verified: int = 0  # draft tokens sent to verification
     last_reason: str = ""
