@@ -298,7 +298,11 @@ class OnlineSession:
             resumed_from=self.resumed_from, hooks=self.guard.stats(),
             cutter=CutterStats(policy=c.policy_name, head=c.head_state, drafted=c.drafted,
                                verified=c.verified, last_reason=c.last_reason,
-                               head_updates=c.head_version))
+                               head_updates=c.head_version, head_labels=c.feedback.labels,
+                               head_feedback_updates=c.feedback.updates,
+                               gate_steps=c.gate.steps if c.gate else 0,
+                               gate_shut_steps=c.gate.shut_steps if c.gate else 0,
+                               gate_explore_steps=c.gate.explore_steps if c.gate else 0))
         if self.learner is not None:
             out.learner = LearnerStats.from_learner(self.learner.stats())
             out.buffer = BufferStats(**self.buffer.stats())
