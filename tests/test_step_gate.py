@@ -126,3 +126,17 @@ def test_gate_settings_are_validated_with_the_field_named():
                        ({"explore_requests": 0}, "explore_requests")):
         with pytest.raises(ConfigError, match=field):
             OnlineSpecConfig.from_any({"length_head": {"policy": "budget", **bad}})
+
+
+def test_step_timer_on_cpu_delivers_host_seconds_at_once():
+    import time
+
+    from vllm_onlinespec.serving.step_timer import StepTimer
+
+    t, got = StepTimer(cuda=False), []
+    span = t.start()
+    time.sleep(0.01)
+    t.stop(span, got.append)
+    assert len(got) == 1 and 0.009 < got[0] < 1.0
+    t.poll()  # nothing pending on CPU
+    assert len(got) == 1
