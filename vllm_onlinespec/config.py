@@ -72,11 +72,12 @@ class PublishConfig(_Section):
 
 
     repack: bool = Field(
-        False, description="CPU only: after each publish, pack the drafter's Linear weights "
+        True, description="CPU only: after each publish, pack the drafter's Linear weights "
         "for vLLM's CPU GEMM kernels again (oneDNN / SGL), keeping plain copies for the next "
-        "publish; faster drafter forwards at larger batches, paid for at every publish "
-        "(benchmarks/step_cost.py measures both). False = the drafter runs torch's plain "
-        "linear while learning")
+        "publish; measured faster overall than plain weights (docs/results/step_cost.md: "
+        "online-repack vs online, 12 / 5 / 1 % less per step at batch 1 / 8 / 32) although "
+        "every publish pays for it. False = the drafter runs torch's plain linear while "
+        "learning")
 
 
 class CheckpointConfig(_Section):
