@@ -49,7 +49,7 @@ def test_frozen():
     ({"learner_cpu_share": 0}, "onlinespec.learner_cpu_share: must be in (0, 1] (got 0)"),
     ({"ensemble_lrs": [1e-4, -2]}, "onlinespec.ensemble_lrs[1]: must be > 0 (got -2)"),
     ({"betas": [0.9, 1.0]}, "onlinespec.betas[1]: must be in [0, 1) (got 1.0)"),
-    ({"length_head": {"k_min": 0}}, "onlinespec.length_head.k_min: must be >= 1 (got 0)"),
+    ({"length_head": {"k_min": -1}}, "onlinespec.length_head.k_min: must be >= 0 (got -1)"),
     ({"grad_clip": 0.0}, "onlinespec.grad_clip: must be > 0 (got 0.0)"),
     ({"lr": float("inf")}, "onlinespec.lr: "),
 ])

@@ -108,10 +108,16 @@ def test_length_head_rules(tmp_path):
     assert trained is None and head is not None and trusted
     trained, head, trusted = build(shipped, policy="fixed", train=True)
     assert trained is None and head is None
-    trained, head, trusted = build(bare, policy="budget", train=True)
+    # head_lr = 0: the learner trains the head (on its simulated acceptance)
+    trained, head, trusted = build(bare, policy="budget", train=True, head_lr=0.0)
     assert trained is not None and head is trained and not trusted
-    trained, head, trusted = build(shipped, policy="adaflash", train=True)
+    trained, head, trusted = build(shipped, policy="adaflash", train=True, head_lr=0.0)
     assert trained is not None and head is trained and trusted
+    # head_lr > 0 (default): the cutter trains it on real verification, not the learner
+    trained, head, trusted = build(shipped, policy="adaflash", train=True)
+    assert trained is None and head is not None and trusted
+    trained, head, trusted = build(bare, policy="budget", train=True)
+    assert trained is None and head is not None and not trusted
 
 
 # -- resume ----------------------------------------------------------------------------------------

@@ -89,7 +89,7 @@ def runner():
 
 def _drive(r):
     so = SimpleNamespace(total_num_scheduled_tokens=3)
-    return (r.execute_model(so), r.propose_draft_token_ids(), r.sample_tokens(None),
+    return (r.execute_model(so), r.propose_draft_token_ids(so), r.sample_tokens(None),
             r.take_draft_token_ids())
 
 
@@ -100,7 +100,7 @@ def test_our_exceptions_in_every_hook_are_counted_and_vllm_results_returned(runn
     assert out[:3] == ("exec-out", "proposed", "sampled-out")
     assert out[3] is runner.drafts and out[3].draft_token_ids == drafts_before  # uncut
     errors = runner.onlinespec_guard().errors
-    for hook in (G.SAMPLE, G.CAPTURE, G.FEEDBACK, G.CUT):
+    for hook in (G.SAMPLE, G.GATE, G.CAPTURE, G.FEEDBACK, G.CUT):
         assert errors[hook] >= 1, (hook, errors)
 
 
@@ -206,8 +206,11 @@ class RecordingCutter:
         self.refreshed: list[tuple] = []
         self.observed = 0
 
-    def observe(self, drafted, accepted):
+    def observe(self, drafted, accepted, req_ids=None):
         self.observed += 1
+
+    def forget(self, req_ids):
+        pass
 
     def refresh(self, snapshot, version):
         self.refreshed.append((version, float(snapshot["length_head.x"])))
@@ -321,8 +324,11 @@ class ConstHead(torch.nn.Module):
 K = 4
 
 
-def cutter(policy="adaflash", **kw):
-    return DraftCutter(LengthHeadConfig(policy=policy, rho=1.0), K, **kw)
+def cutter(policy="adaflash", gate_labels=0, head_lr=0.0, **kw):
+    """Defaults: the head ungated and not learning from verification (the rules without
+    feedback); the tests of head_feedback set them."""
+    cfg = LengthHeadConfig(policy=policy, rho=1.0, head_gate_labels=gate_labels, head_lr=head_lr)
+    return DraftCutter(cfg, K, **kw)
 
 
 def _cut(c, B=2, hidden=True):
@@ -459,3 +465,43 @@ def test_tp_rank0_resumed_version_still_reaches_the_other_ranks():
     for s in (r0, r1):
         s.after_step(None, None, None)
     assert r1.publisher.version == 5 and not wire
+
+
+def test_a_shut_gate_asks_vllms_drafter_for_k0_on_a_copy(runner):
+    """The budget's gate shut: vLLM's propose gets a copy of the scheduler output with
+    num_spec_tokens_to_schedule = 0 (its dynamic-K path); the scheduler's own object is left
+    alone, and the drafter's time is booked as a K = 0 forward."""
+    import dataclasses
+
+    @dataclasses.dataclass
+    class SO:
+        num_scheduled_tokens: dict
+        scheduled_spec_decode_tokens: dict
+        total_num_scheduled_tokens: int
+        num_spec_tokens_to_schedule: int = 4
+
+    seen, timed = [], []
+    FakeVllmRunner.propose_draft_token_ids, orig = (
+        lambda self, so, *a, **k: seen.append(so) or "proposed"), FakeVllmRunner.propose_draft_token_ids
+    try:
+        for shut in (True, False):
+            runner._onlinespec = SimpleNamespace(
+                gate_drafting=lambda so, shut=shut: (dataclasses.replace(
+                    so, num_spec_tokens_to_schedule=0), False) if shut else (so, True),
+                observe_draft_time=lambda d, s: timed.append(d))
+            so = SO({"a": 1, "b": 3}, {}, 4)
+            assert runner.propose_draft_token_ids(so) == "proposed"
+            assert so.num_spec_tokens_to_schedule == 4  # the scheduler's object: untouched
+            assert seen[-1].num_spec_tokens_to_schedule == (0 if shut else 4)
+    finally:
+        FakeVllmRunner.propose_draft_token_ids = orig
+    assert timed == [False, True]
+
+
+def test_step_token_counts_reads_requests_and_prefill():
+    from vllm_onlinespec.serving import compat
+
+    so = SimpleNamespace(num_scheduled_tokens={"a": 5, "b": 1, "c": 40},
+                         scheduled_spec_decode_tokens={"a": [1, 2, 3, 4]},
+                         total_num_scheduled_tokens=46)
+    assert compat.step_token_counts(so) == (3, 42)  # 3 requests; 46 - 4 draft tokens

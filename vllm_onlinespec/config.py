@@ -72,11 +72,12 @@ class PublishConfig(_Section):
 
 
     repack: bool = Field(
-        False, description="CPU only: after each publish, pack the drafter's Linear weights "
+        True, description="CPU only: after each publish, pack the drafter's Linear weights "
         "for vLLM's CPU GEMM kernels again (oneDNN / SGL), keeping plain copies for the next "
-        "publish; faster drafter forwards at larger batches, paid for at every publish "
-        "(benchmarks/step_cost.py measures both). False = the drafter runs torch's plain "
-        "linear while learning")
+        "publish; measured faster overall than plain weights (docs/results/step_cost.md: "
+        "online-repack vs online, 12 / 5 / 1 % less per step at batch 1 / 8 / 32) although "
+        "every publish pays for it. False = the drafter runs torch's plain linear while "
+        "learning")
 
 
 class CheckpointConfig(_Section):
@@ -118,7 +119,26 @@ class LengthHeadConfig(_Section):
         "verify step as a fraction of the block, (accepted + 1) / (K + 1); 'budget' divides the measured cost of a verified token by rho. > 1 verifies "
         "more, < 1 less")
     k_min: int = Field(
-        1, ge=1, description="never cut a draft below this many tokens (>= 1)")
+        1, ge=0, description="never cut a draft below this many tokens (>= 0; 0 lets 'budget' "
+        "verify nothing for a request whose draft does not pay)")
+    gate: bool = Field(
+        True, description="'budget' only: before drafting, decide whether the next step "
+        "speculates at all (policy/step_gate.py); a step that would not pay runs vLLM's "
+        "drafter at K = 0 (context K/V kept, no draft) and verifies nothing")
+    explore_every: int = Field(
+        32, ge=2, description="'budget' gate: while shut, every this-many-th step drafts anyway "
+        "so the acceptance estimate stays current (>= 2, steps)")
+    explore_requests: int = Field(
+        2, ge=1, description="'budget' gate: requests whose full draft an exploring step "
+        "verifies (>= 1)")
+    head_gate_labels: int = Field(
+        64, ge=0, description="consult the length head only after it has predicted this many "
+        "fresh verification labels (accepted counts of verified drafts) better than the "
+        "population estimate (>= 0 labels; 0 = no gate)")
+    head_lr: float = Field(
+        1e-3, ge=0.0, description="learning rate of the length head on real verification "
+        "labels, one Adam step per engine step on the serving thread (>= 0; 0 = off, the head "
+        "then follows the learner's publishes)")
     train: bool = Field(
         True, description="train the length head online from accept/reject feedback (only "
         "when learning is on and the policy consults a head, i.e. not 'fixed'); false keeps a "

@@ -2,16 +2,21 @@
 
 One object per engine, driven by the serving layer at three points of a step:
 
+    plan_next(B, n)     before drafting ('budget' with its gate): speculate in the next step,
+                        or run vLLM's drafter at K = 0 (policy/step_gate.py)
     observe_hidden(h)   inside vLLM's drafter, the mask rows' final hidden states [B*K, H]
     cut(drafts)         before verification: each request's draft cut to the policy's length
                         (a prefix of what was drafted: lossless)
     observe(d, a)       after verification: drafted / accepted per request (policy statistics)
     refresh(snap, v)    after a publish: the length head's weights from that same snapshot
 
-Which head, if any, predicts: a head shipped by the drafter checkpoint is trusted from step 1;
-a head created fresh for online training is random at first, so it is not consulted until the
-learner has published `HEAD_WARMUP_VERSIONS` versions that trained it (until then the policy
-uses its population estimate, as without a head). Policy `fixed` never consults a head.
+Which head, if any, predicts: a head shipped by the drafter checkpoint, or one learning from
+real verification (`length_head.head_lr` > 0), is warm; a head created fresh for the learner to
+train is not until the learner has published `HEAD_WARMUP_VERSIONS` versions that trained it.
+A warm head is consulted only once its predictions beat the population estimate on
+`length_head.head_gate_labels` fresh verification labels (policy/head_feedback.py; until then
+the policy uses its population estimate and the reason says so). Policy `fixed` never consults
+a head.
 No vLLM import here: the serving layer guards every call.
 """
 
@@ -23,6 +28,8 @@ import torch
 from torch import nn
 
 from vllm_onlinespec.policy.budget import StepCostModel
+from vllm_onlinespec.policy.head_feedback import HeadFeedback
+from vllm_onlinespec.policy.step_gate import GateDecision, StepGate
 from vllm_onlinespec.policy.verify_length import make_policy
 
 HEAD_WARMUP_VERSIONS = 50
@@ -50,6 +57,20 @@ class DraftCutter:
         self.drafted = self.verified = 0
         self.last_reason = ""
         self._hidden: torch.Tensor | None = None
+        self.gate: StepGate | None = None
+        if self.policy_name == "budget" and getattr(length_cfg, "gate", False):
+            self.gate = StepGate(K, self.policy.cost_model,
+                                 explore_every=length_cfg.explore_every,
+                                 explore_requests=length_cfg.explore_requests,
+                                 min_obs=self.policy.min_obs, rho=length_cfg.rho)
+        self._next = GateDecision(True, False, "")
+        self._base_tokens: int | None = None
+        # Real verification scores (and, with head_lr > 0, trains) the head; it is consulted
+        # only once it beats the population estimate on fresh labels (policy/head_feedback.py).
+        self.learn_from_verification = (self.head is not None
+                                        and getattr(length_cfg, "head_lr", 0.0) > 0)
+        self.feedback = HeadFeedback(K, min_labels=getattr(length_cfg, "head_gate_labels", 0),
+                                     lr=getattr(length_cfg, "head_lr", 0.0))
 
     # -- what the serving layer asks -----------------------------------------------------------
     @property
@@ -58,15 +79,23 @@ class DraftCutter:
         return self.head is not None
 
     @property
-    def head_in_use(self) -> bool:
-        return self.head is not None and (self.head_trusted
+    def head_warm(self) -> bool:
+        """Trained at all: shipped, learning from verification, or published by the learner
+        often enough."""
+        return self.head is not None and (self.head_trusted or self.learn_from_verification
                                           or self.head_version >= self.warmup_versions)
+
+    @property
+    def head_in_use(self) -> bool:
+        return self.head_warm and self.feedback.passes()
 
     @property
     def head_state(self) -> str:
         if self.head is None:
             return "off"
-        return "on" if self.head_in_use else "warming"
+        if not self.head_warm:
+            return "warming"
+        return "on" if self.feedback.passes() else "gated"
 
     @property
     def cost_model(self) -> StepCostModel | None:
@@ -76,31 +105,62 @@ class DraftCutter:
         return f"{self.policy.describe()}; length head: {self.head_state}"
 
     # -- a step ----------------------------------------------------------------------------------
+    def plan_next(self, batch_size: int, base_tokens: int | None = None) -> GateDecision:
+        """Before this step's drafter runs: whether it drafts K tokens for the next step (its
+        requests: `batch_size`; tokens besides drafts: `base_tokens`). Without a gate: always."""
+        self._base_tokens = base_tokens
+        if self.gate is None:
+            self._next = GateDecision(True, False, "")
+        else:
+            self._next = self.gate.decide(self.policy.stats, batch_size, base_tokens)
+        return self._next
+
+    def observe_draft_time(self, drafted: bool, seconds: float) -> None:
+        if self.gate is not None:
+            self.gate.timer.observe(drafted, seconds)
+
     def observe_hidden(self, hidden: torch.Tensor) -> None:
         if self.head is not None:
             self._hidden = hidden
 
-    def cut(self, drafts: list[list[int]]) -> list[list[int]]:
-        """Each request's draft cut to the policy's verify length (new lists; drafts unchanged)."""
+    def cut(self, drafts: list[list[int]], req_ids: list[str] | None = None) -> list[list[int]]:
+        """Each request's draft cut to the policy's verify length (new lists; drafts unchanged).
+        req_ids (the drafts' requests) let the next step's verification score the head."""
         hidden, self._hidden = self._hidden, None
         drafted = [len(d) for d in drafts]
         self.drafted += sum(drafted)
         if self.policy_name == "fixed" or not drafts:
             self.verified += sum(drafted)
             return drafts
+        if not any(drafted):  # the gate shut this step: vLLM drafted at K = 0
+            self.last_reason = self._next.reason
+            return drafts
         B = len(drafts)
-        pred = None
-        if self.head_in_use:
+        pred = rows = None
+        if self.head is not None and (self.head_warm or req_ids is not None):
             if hidden is not None and hidden.shape[0] == B * self.K:
                 head = self.head_on(hidden.device)
+                rows = hidden.float().view(B, self.K, -1)
                 with torch.inference_mode():
-                    pred = head(hidden.float().view(B, self.K, -1)).tolist()
-            else:
+                    pred = head(rows).tolist()  # shadow prediction while the head is gated
+            elif self.head_in_use:
                 self.on_skip("no_draft_hidden")
-        lengths, reason = self.policy.lengths(pred, self.K, B)
+        used = pred if self.head_in_use else None
+        kw = {}
+        if self.policy_name == "budget":
+            kw = {"base_tokens": self._base_tokens,
+                  "force_full": self.gate.explore_requests if self._next.explore else 0}
+        lengths, reason = self.policy.lengths(used, self.K, B, **kw)
         out = [d[: min(len(d), n)] for d, n in zip(drafts, lengths)]
-        self.last_reason = reason
+        if self.head is not None and pred is not None and used is None:
+            reason += f"; length head not used ({self.feedback.state()})"
+        self.last_reason = f"{reason}; {self._next.reason}" if self._next.reason else reason
         self.verified += sum(len(d) for d in out)
+        if req_ids is not None and self.head is not None:
+            stats = self.policy.stats
+            r_pop = (stats.expected_fraction() if stats is not None
+                     and stats.n_obs >= self.policy.min_obs else None)
+            self.feedback.record(req_ids, pred, r_pop, [len(d) for d in out], rows)
         return out
 
     def head_on(self, device: torch.device) -> nn.Module:
@@ -109,13 +169,21 @@ class DraftCutter:
         Later refreshes copy into these parameters, so they stay on that device."""
         p = next(self.head.parameters(), None)
         if p is not None and p.device != device:
-            self.head.to(device)
+            with torch.inference_mode(False):  # parameters stay trainable (head_feedback)
+                self.head.to(device)
         return self.head
 
-    def observe(self, drafted: list[int] | None, accepted: list[int]) -> None:
+    def observe(self, drafted: list[int] | None, accepted: list[int],
+                req_ids: list[str] | None = None) -> None:
         if drafted is None:
             return
         self.policy.observe([d for d in drafted if d], [a for d, a in zip(drafted, accepted) if d])
+        if req_ids is not None and self.head is not None:
+            self.feedback.observe(self.head, req_ids, drafted, accepted)
+
+    def forget(self, req_ids) -> None:
+        """Finished requests: no verification will come for their last cut."""
+        self.feedback.forget(req_ids)
 
     def observe_step_cost(self, tokens: int, seconds: float) -> None:
         cm = self.cost_model
@@ -124,8 +192,8 @@ class DraftCutter:
 
     def refresh(self, snapshot: Mapping[str, torch.Tensor], version: int) -> None:
         """The head's weights from the snapshot that was just published (version `version`)."""
-        if self.head is None:
-            return
+        if self.head is None or self.learn_from_verification:
+            return  # a head learning from real verification is not overwritten by the learner's
         state = {k[len(LENGTH_HEAD_PREFIX):]: v for k, v in snapshot.items()
                  if k.startswith(LENGTH_HEAD_PREFIX)}
         if state:
@@ -136,4 +204,5 @@ class DraftCutter:
 def _frozen_copy(head: nn.Module) -> nn.Module:
     import copy
 
-    return copy.deepcopy(head).to(torch.float32).eval().requires_grad_(False)
+    with torch.inference_mode(False):  # vLLM builds us under inference mode; keep it trainable
+        return copy.deepcopy(head).to(torch.float32).eval().requires_grad_(False)

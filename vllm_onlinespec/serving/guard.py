@@ -17,6 +17,7 @@ logger = logging.getLogger("vllm_onlinespec")
 EXECUTE_MODEL = "execute_model"
 SAMPLE = "sample"  # _sample: remembering the sampler output, oracle, step cost
 PROPOSE = "propose_draft_token_ids"
+GATE = "gate"  # propose_draft_token_ids, before: speculate in the next step or draft at K = 0
 CAPTURE = "capture"  # sample_tokens, before: the step view
 FEEDBACK = "feedback"  # after_step: accepted counts -> policy stats, tracer, buffer
 PUBLISH = "publish"  # after_step: learner snapshot -> vLLM's drafter, head refresh

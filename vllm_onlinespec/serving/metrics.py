@@ -45,6 +45,8 @@ METRICS: dict[str, tuple[str, Callable[[OnlineSpecStats], Any], str]] = {
     "onlinespec:hook_skips": ("counter", lambda s: sum(s.hooks.skips.values()), "serving-side hooks that had nothing to work on (step view, drafter hidden states, draft lists)"),
     "onlinespec:verify_tokens": ("counter", lambda s: s.cutter.verified, "draft tokens sent to verification"),
     "onlinespec:draft_tokens": ("counter", lambda s: s.cutter.drafted, "draft tokens proposed before the verify-length cut"),
+    "onlinespec:gate_shut_steps": ("counter", lambda s: s.cutter.gate_shut_steps, "steps the budget's gate ran vLLM's drafter at K = 0 (speculation would not pay)"),
+    "onlinespec:gate_explore_steps": ("counter", lambda s: s.cutter.gate_explore_steps, "steps drafted only to keep the acceptance estimate current"),
 }
 
 

@@ -3,7 +3,7 @@
   load_model        drafter loads with plain weights (republishable); the online session starts
   execute_model     timed (step profile, the budget's step cost)
   _sample           remembers the rejection sampler's output (accepted lengths); the oracle
-  propose_draft_token_ids   timed only (serving/step_profile.py)
+  propose_draft_token_ids   the budget's step gate (draft K, or vLLM's K = 0 drafter path); timed
   sample_tokens     before: a view of the target step; after: feedback -> buffer, then publish
   take_draft_token_ids   the verify-length policy cuts each request's draft
 
@@ -24,6 +24,7 @@ from vllm_onlinespec.serving import compat
 from vllm_onlinespec.serving import guard as G
 from vllm_onlinespec.serving.guard import HookGuard
 from vllm_onlinespec.serving.step_profile import StepProfile
+from vllm_onlinespec.serving.step_timer import StepTimer
 
 logger = logging.getLogger("vllm_onlinespec")
 
@@ -31,13 +32,14 @@ logger = logging.getLogger("vllm_onlinespec")
 class OnlineSpecRunnerMixin:
     _onlinespec: Any = None
     _onlinespec_sampled: Any = None
-    _onlinespec_t0: float | None = None
+    _onlinespec_span: Any = None  # this step's target span (serving/step_timer.py)
     _onlinespec_tokens: int = 0
 
     def _onlinespec_init(self) -> None:
         if getattr(self, "_onlinespec_guard", None) is None:
             self._onlinespec_guard = HookGuard()
             self._onlinespec_profile = StepProfile()
+            self._onlinespec_timer = StepTimer()  # what the budget prices: CUDA events on GPU
 
     def load_model(self, *args, **kwargs):
         from vllm_onlinespec.serving.session import OnlineSession
@@ -59,8 +61,9 @@ class OnlineSpecRunnerMixin:
         guard = self._onlinespec_guard
         t0 = time.perf_counter()
         with guard(G.EXECUTE_MODEL):
-            self._onlinespec_t0 = t0
             self._onlinespec_tokens = int(scheduler_output.total_num_scheduled_tokens)
+            self._onlinespec_timer.poll()  # earlier steps' GPU spans, now measured
+            self._onlinespec_span = self._onlinespec_timer.start()
         try:
             return super().execute_model(scheduler_output, *args, **kwargs)
         finally:
@@ -81,20 +84,37 @@ class OnlineSpecRunnerMixin:
             if session is not None:
                 with prof.ours(inside_sample_tokens=True):
                     session.force_oracle(out.sampled_token_ids, logits, spec_decode_metadata)
-                    if self._onlinespec_t0 is not None:
+                    if self._onlinespec_span is not None:
                         # Target forward + verification, not drafting: what a verify token costs.
-                        session.observe_step_cost(self._onlinespec_tokens, t1 - self._onlinespec_t0)
-        self._onlinespec_t0 = None
+                        tokens = self._onlinespec_tokens
+                        self._onlinespec_timer.stop(
+                            self._onlinespec_span,
+                            lambda sec: session.observe_step_cost(tokens, sec))
+        self._onlinespec_span = None
         return out
 
     def propose_draft_token_ids(self, *args, **kwargs):
+        # vLLM calls it with scheduler_output first (gpu_model_runner.py:4365), positionally.
         self._onlinespec_init()
+        guard, session, drafted = self._onlinespec_guard, self._onlinespec, True
+        if session is not None and args:
+            gated = None
+            with guard(G.GATE), self._onlinespec_profile.ours(inside_sample_tokens=True):
+                gated = session.gate_drafting(args[0])
+            if gated is not None:  # the budget's gate may ask vLLM's drafter for K = 0
+                args, drafted = (gated[0], *args[1:]), gated[1]
         t0 = time.perf_counter()
+        span = None
+        with guard(G.PROPOSE):
+            span = self._onlinespec_timer.start()
         try:
             return super().propose_draft_token_ids(*args, **kwargs)
         finally:
-            with self._onlinespec_guard(G.PROPOSE):
+            with guard(G.PROPOSE):
                 self._onlinespec_profile.draft_s += time.perf_counter() - t0
+                if session is not None and span is not None:
+                    self._onlinespec_timer.stop(
+                        span, lambda sec: session.observe_draft_time(drafted, sec))
 
     def sample_tokens(self, grammar_output):
         self._onlinespec_init()

@@ -115,14 +115,21 @@ class OnlineSession:
             # "auto": the learner lives where vLLM's drafter does (publishing stays on-device).
             device = resolve_device(cfg.learner_device,
                                     module_device(compat.drafter_module(runner)) or lm_head.device)
+            # A head learning from real verification (head_lr > 0) is the cutter's to train.
+            from_verification = cfg.length_head.head_lr > 0
             self.parts = build_learner(cfg, drafter_path, embed, lm_head, self.K,
-                                       train_length_head=wants_head and cfg.length_head.train,
+                                       train_length_head=(wants_head and cfg.length_head.train
+                                                          and not from_verification),
                                        device=device)
             if not wants_head:
                 return None, False
             trained = self.parts.bundle.length_head
             if trained is not None:  # trusted only if it came trained
                 return trained, self.parts.checkpoint_head is not None
+            if self.parts.checkpoint_head is None and from_verification and cfg.length_head.train:
+                from vllm_onlinespec.drafter import LengthHead
+
+                return LengthHead(self.parts.config.hidden_size), False  # learns from verification
             return self.parts.checkpoint_head, True
         return (self._checkpoint_head(drafter_path), True) if wants_head else (None, False)
 
@@ -187,6 +194,21 @@ class OnlineSession:
             self.guard.skip(G.NO_STEP_VIEW)
         return view
 
+    def gate_drafting(self, scheduler_output: Any) -> tuple[Any, bool] | None:
+        """Before this step's drafter runs ('budget' only): tell the policy the next step's
+        batch and scheduled tokens besides drafts, and, where its gate says a speculative step
+        would not pay, hand vLLM a copy of the scheduler output asking for K = 0 (vLLM's own
+        dynamic-K path: context K/V still written, no draft). None: leave the step alone."""
+        if self.cutter.policy_name != "budget":
+            return None
+        B, base = compat.step_token_counts(scheduler_output)
+        if self.cutter.plan_next(B, base).draft:
+            return scheduler_output, True
+        return compat.with_spec_tokens(scheduler_output, 0), False
+
+    def observe_draft_time(self, drafted: bool, seconds: float) -> None:
+        self.cutter.observe_draft_time(drafted, seconds)
+
     def observe_draft_hidden(self, hidden: torch.Tensor) -> None:
         """Called inside vLLM's drafter, right before it samples: must never raise."""
         with self.guard(G.DRAFT_HIDDEN):
@@ -212,7 +234,8 @@ class OnlineSession:
             self.guard.skip(G.NO_SAMPLER_OUTPUT)
             return
         accepted = compat.accepted_counts(sampled, view.num_draft_tokens)
-        self.cutter.observe(view.num_draft_tokens, accepted)
+        self.cutter.observe(view.num_draft_tokens, accepted, view.req_ids)
+        self.cutter.forget(view.finished_req_ids)
         if self.tracer is not None:
             self.tracer.record(view, accepted, sampled)
         if self.buffer is not None:
@@ -258,7 +281,8 @@ class OnlineSession:
         if not isinstance(ids, list):
             self.guard.skip(G.NON_LIST_DRAFTS)
             return drafts
-        drafts.draft_token_ids = self.cutter.cut(ids)
+        drafts.draft_token_ids = self.cutter.cut(ids, list(getattr(drafts, "req_ids", None) or [])
+                                                 or None)
         return drafts
 
     # -- reading ----------------------------------------------------------------------------------
@@ -274,7 +298,11 @@ class OnlineSession:
             resumed_from=self.resumed_from, hooks=self.guard.stats(),
             cutter=CutterStats(policy=c.policy_name, head=c.head_state, drafted=c.drafted,
                                verified=c.verified, last_reason=c.last_reason,
-                               head_updates=c.head_version))
+                               head_updates=c.head_version, head_labels=c.feedback.labels,
+                               head_feedback_updates=c.feedback.updates,
+                               gate_steps=c.gate.steps if c.gate else 0,
+                               gate_shut_steps=c.gate.shut_steps if c.gate else 0,
+                               gate_explore_steps=c.gate.explore_steps if c.gate else 0))
         if self.learner is not None:
             out.learner = LearnerStats.from_learner(self.learner.stats())
             out.buffer = BufferStats(**self.buffer.stats())

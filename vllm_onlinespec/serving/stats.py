@@ -92,11 +92,17 @@ class CutterStats:
     """The draft cutter (length head -> verify-length policy -> cut)."""
 
     policy: str = "fixed"
-    head: str = "off"  # off | warming (trained online, not trusted yet) | on
+    head: str = "off"  # off | warming (the learner has not trained it yet) | gated (not yet
+    # better than the population estimate on fresh verification labels) | on
     drafted: int = 0  # draft tokens proposed before the cut
     verified: int = 0  # draft tokens sent to verification
     last_reason: str = ""
     head_updates: int = 0  # published versions that refreshed the head
+    head_labels: int = 0  # exact verification labels the head was scored on
+    head_feedback_updates: int = 0  # steps the head learned from verification labels
+    gate_steps: int = 0  # steps the budget's gate decided (0: no gate)
+    gate_shut_steps: int = 0  # ... of which drafted at K = 0 (nothing verified next step)
+    gate_explore_steps: int = 0  # ... of which drafted only to explore
 
 
 @dataclass

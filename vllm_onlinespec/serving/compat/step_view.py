@@ -18,7 +18,8 @@ class StepView:
     positions: torch.Tensor  # [num_tokens]
     hidden_states: torch.Tensor  # [num_tokens, H], post final norm
     aux_hidden_states: list[torch.Tensor] | None  # n_layers x [num_tokens, H]
-    num_draft_tokens: list[int] | None  # per request, None when nobody had drafts
+    num_draft_tokens: list[int] | None  # per request; None without spec metadata (a list of
+    # zeros when a speculative engine's step verified nothing)
     finished_req_ids: set[str]
 
 
@@ -65,3 +66,21 @@ def draft_token_ids_type() -> type:
     from vllm.v1.outputs import DraftTokenIds
 
     return DraftTokenIds
+
+
+def step_token_counts(scheduler_output: Any) -> tuple[int, int]:
+    """(requests, tokens besides drafts) of a step, from vLLM's SchedulerOutput: the budget's
+    estimate of the next step, whose prefill chunks are not scheduled yet (a server's prefill
+    load changes slowly next to a step)."""
+    B = len(scheduler_output.num_scheduled_tokens)
+    spec = sum(len(v) for v in (scheduler_output.scheduled_spec_decode_tokens or {}).values())
+    return B, max(B, int(scheduler_output.total_num_scheduled_tokens) - spec)
+
+
+def with_spec_tokens(scheduler_output: Any, k: int) -> Any:
+    """A copy asking the drafter for k tokens (the field vLLM's dynamic K sets per step,
+    sched/output.py:309, read by the runner at gpu_model_runner.py:4763). A copy: with an
+    in-process executor the original is the scheduler's own object."""
+    import dataclasses
+
+    return dataclasses.replace(scheduler_output, num_spec_tokens_to_schedule=k)

@@ -1,0 +1,142 @@
+"""The budget's step gate (policy/step_gate.py): a step speculates only when its best plan,
+with the drafter's measured time counted, beats a plain step; exploration while shut is
+bounded; the cutter passes a K = 0 step through and verifies exploring requests in full."""
+
+import numpy as np
+import pytest
+
+from vllm_onlinespec.config import ConfigError, LengthHeadConfig, OnlineSpecConfig
+from vllm_onlinespec.policy.budget import StepCostModel
+from vllm_onlinespec.policy.cutter import DraftCutter
+from vllm_onlinespec.policy.step_gate import StepGate
+from vllm_onlinespec.policy.verify_length import AcceptanceStats
+
+K = 4
+
+
+def stats_with_rate(rate: float, n: int = 64) -> AcceptanceStats:
+    """Population statistics whose per-position acceptance is ~rate (full drafts verified)."""
+    s = AcceptanceStats(K)
+    rng = np.random.default_rng(0)
+    for _ in range(n):
+        acc = 0
+        while acc < K and rng.random() < rate:
+            acc += 1
+        s.observe([K], [acc])
+    return s
+
+
+def cost(a=0.05, b=1e-3):
+    return StepCostModel(a=a, b=b, half_life=None, prior_weight=1e6)  # the prior is the model
+
+
+def brute_force_rates(stats, B, base, cm, t_draft, t_plain):
+    """Every uniform verify length n = 0..K for all B requests: the best rate with drafts vs plain."""
+    p = stats._rates()[:K]
+    g = np.cumprod(p)
+    best = 0.0
+    for n in range(1, K + 1):
+        e = B + B * g[:n].sum()
+        best = max(best, e / (cm.predict(base + B * n) + t_draft))
+    return best, B / (cm.predict(base) + t_plain)
+
+
+@pytest.mark.parametrize("rate,b,t_draft", [(0.9, 2e-4, 0.005), (0.2, 2e-3, 0.005),
+                                            (0.6, 1e-3, 0.0), (0.6, 1e-3, 0.2)])
+def test_gate_opens_exactly_when_speculating_beats_a_plain_step(rate, b, t_draft):
+    st, cm = stats_with_rate(rate), cost(b=b)
+    g = StepGate(K, cm, explore_every=10**6)
+    g.timer.observe(True, t_draft)
+    g.timer.observe(False, 0.001)
+    d = g.decide(st, batch_size=8, base_tokens=8)
+    spec, plain = brute_force_rates(st, 8, 8, cm, t_draft, 0.001)
+    # uniform lengths are a subset of budget.plan's choices: if they beat plain, so does plan
+    if spec > plain * 1.001:
+        assert d.draft, d.reason
+    if not d.draft:
+        assert spec <= plain * 1.001, d.reason
+    assert ("open" in d.reason) == d.draft and "tok/s" in d.reason
+
+
+def test_the_drafters_time_can_shut_the_gate():
+    st, cm = stats_with_rate(0.5), cost(a=0.05, b=1e-3)
+    cheap, dear = StepGate(K, cm, explore_every=10**6), StepGate(K, cm, explore_every=10**6)
+    for g, t in ((cheap, 0.0), (dear, 0.5)):
+        g.timer.observe(True, t)
+        g.timer.observe(False, 0.001)  # vLLM's K = 0 path: one query token per request
+    assert cheap.decide(st, 4, 4).draft and not dear.decide(st, 4, 4).draft
+
+
+def test_prefill_tokens_in_the_step_change_the_price():
+    """A step already long with prefill chunks: a few verify tokens add little to its time, so
+    drafts that do not pay in a pure decode step pay there (and the other way round)."""
+    st = stats_with_rate(0.3)
+    g = StepGate(K, cost(a=0.01, b=5e-3), explore_every=10**6)
+    assert not g.decide(st, 4, base_tokens=4).draft
+    assert g.decide(st, 4, base_tokens=512).draft
+
+
+def test_gate_stays_open_until_acceptance_is_measured():
+    g = StepGate(K, cost(b=1.0), min_obs=16)
+    assert g.decide(None, 4, 4).draft
+    assert g.decide(stats_with_rate(0.1, n=3), 4, 4).draft
+
+
+def test_exploration_is_bounded():
+    st, cm = stats_with_rate(0.05), cost(b=5e-3)
+    g = StepGate(K, cm, explore_every=8)
+    ds = [g.decide(st, 32, 32) for _ in range(100)]
+    explore = [d for d in ds if d.draft]
+    assert all(d.explore for d in explore) and len(explore) == 100 // 8
+    assert g.explore_steps == 12 and g.shut_steps == 88
+    with pytest.raises(ValueError, match="explore_every"):
+        StepGate(K, cm, explore_every=1)
+
+
+def budget_cutter(**kw):
+    cfg = LengthHeadConfig(policy="budget", k_min=0, explore_every=4, explore_requests=1, **kw)
+    return DraftCutter(cfg, K, cost_model=cost(b=5e-3))
+
+
+def test_cutter_passes_a_k0_step_through_without_counting_a_skip():
+    skips = []
+    c = budget_cutter()
+    c.on_skip = skips.append
+    c.policy._stats(K)
+    c.policy.stats = stats_with_rate(0.05)
+    d = c.plan_next(3, 3)
+    assert not d.draft
+    assert c.cut([[], [], []]) == [[], [], []] and not skips
+    assert c.last_reason.startswith("gate: shut")
+
+
+def test_cutter_verifies_exploring_requests_in_full_and_can_cut_others_to_nothing():
+    c = budget_cutter()
+    c.policy.stats = stats_with_rate(0.05)
+    decisions = [c.plan_next(3, 3) for _ in range(4)]
+    assert decisions[-1].explore
+    out = c.cut([[1, 2, 3, 4]] * 3)
+    assert out[0] == [1, 2, 3, 4]  # explore_requests = 1
+    assert out[1] == [] and out[2] == []  # k_min = 0: nothing of these pays
+    assert "gate: explore" in c.last_reason
+
+
+def test_gate_settings_are_validated_with_the_field_named():
+    for bad, field in (({"explore_every": 1}, "explore_every"), ({"k_min": -1}, "k_min"),
+                       ({"explore_requests": 0}, "explore_requests")):
+        with pytest.raises(ConfigError, match=field):
+            OnlineSpecConfig.from_any({"length_head": {"policy": "budget", **bad}})
+
+
+def test_step_timer_on_cpu_delivers_host_seconds_at_once():
+    import time
+
+    from vllm_onlinespec.serving.step_timer import StepTimer
+
+    t, got = StepTimer(cuda=False), []
+    span = t.start()
+    time.sleep(0.01)
+    t.stop(span, got.append)
+    assert len(got) == 1 and 0.009 < got[0] < 1.0
+    t.poll()  # nothing pending on CPU
+    assert len(got) == 1
