@@ -5,7 +5,8 @@
 
 Arms (each one engine in its own subprocess, one engine at a time, in this order):
     nospec, nospec+iomp, ngram K, vLLM's plain DFlash worker K, frozen K (this project's worker,
-    learning off, fixed policy), frozen K without Intel OpenMP, online K (learning on), oracle K
+    learning off, fixed policy), frozen K without Intel OpenMP, online K (learning on, with and
+    without re-packing), budget K (learning off, the budget policy with its step gate), oracle K
     at tau = K + 1 (every draft accepted; benchmark-only, output NOT the target's)
 for K in --ks. Each engine serves batches of --batches requests (greedy, `ignore_eos`,
 --max-tokens each, the same Spec-Bench prompts in every arm), --repeats times per batch size,
@@ -95,7 +96,10 @@ def arms_for(ks: list[int], drafter: str) -> list[ArmConf]:
                     ArmConf("frozen-no-iomp", "ours", k, iomp="off", online=frozen),
                     ArmConf("online", "ours", k, online=online),
                     ArmConf("online-repack", "ours", k,
-                            online={**online, "publish": {"repack": True}})]
+                            online={**online, "publish": {"repack": True}}),
+                    # the budget with its step gate (k_min 0: a step may verify nothing)
+                    ArmConf("budget", "ours", k, online={
+                        "enabled": False, "length_head": {"policy": "budget", "k_min": 0}})]
     return out
 
 

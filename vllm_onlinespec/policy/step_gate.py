@@ -46,12 +46,13 @@ class DraftTimer:
         old = self.ema[drafted]
         self.ema[drafted] = seconds if old is None else self.decay * old + (1 - self.decay) * seconds
 
-    def get(self, drafted: bool) -> float:
-        """Seconds; an unmeasured K = 0 forward is priced like a K one (no free lunch assumed),
-        an unmeasured K one at 0 (the gate then decides from the target's cost alone)."""
+    def get(self, drafted: bool, K: int) -> float:
+        """Seconds. Unmeasured: a K = 0 forward is priced at 1 / (K + 1) of a K one (one query
+        token per request instead of K + 1, the context K/V the same), so the gate tries the
+        plain path once and measures it; an unmeasured K forward at 0."""
         v = self.ema[drafted]
-        if v is None:
-            v = self.ema[True] if not drafted else None
+        if v is None and not drafted and self.ema[True] is not None:
+            v = self.ema[True] / (K + 1)
         return 0.0 if v is None else v
 
 
@@ -83,7 +84,7 @@ class StepGate:
                                                        f"({n}/{self.min_obs} requests seen)"))
         p = np.broadcast_to(stats._rates()[None, : self.K], (B, self.K))
         a = plan(p, base, self.cost_model, k_min=0, K=self.K, cost_scale=1.0 / self.rho)
-        t_draft, t_plain_draft = self.timer.get(True), self.timer.get(False)
+        t_draft, t_plain_draft = self.timer.get(True, self.K), self.timer.get(False, self.K)
         rate_spec = a.expected_tokens / (a.step_s + t_draft) if a.tokens else 0.0
         rate_plain = B / (a.min_step_s + t_plain_draft)
         numbers = (f"spec {rate_spec:.0f} tok/s ({a.tokens} verify tokens, drafter "

@@ -94,7 +94,10 @@ class OnlineSession:
 
     @property
     def wants_feedback(self) -> bool:
-        return self.learner is not None or self.tracer is not None
+        """A learner, a tracer, or a verify policy that keeps acceptance statistics (every
+        policy but 'fixed', learning on or off) needs each step's verification."""
+        return (self.learner is not None or self.tracer is not None
+                or self.cutter.policy_name != "fixed")
 
     # -- set-up ---------------------------------------------------------------------------------
     def _build(self, runner: Any, drafter_path: str) -> tuple[nn.Module | None, bool]:
