@@ -1,4 +1,4 @@
-"""`--prompts FILE`: the JSONL prompt-file reader (prompt / messages / ShareGPT) and its CLI wiring."""
+"""`--prompts FILE`: the JSONL prompt-file reader (prompt / messages / ShareGPT), its CLI wiring."""
 
 from __future__ import annotations
 

@@ -202,7 +202,8 @@ def _turns(row: dict[str, Any], field: str, role_key: str, text_key: str,
             raise ValueError(f"{field}[{i}] is not an object")
         role, text = t.get(role_key), t.get(text_key)
         if role not in roles:
-            raise ValueError(f"{field}[{i}].{role_key} is {role!r}, expected one of {sorted(roles)}")
+            raise ValueError(f"{field}[{i}].{role_key} is {role!r}, "
+                             f"expected one of {sorted(roles)}")
         if not isinstance(text, str):
             raise ValueError(f"{field}[{i}].{text_key} must be a string, got {type(text).__name__}")
         if not text.strip():
@@ -260,8 +261,8 @@ def from_file(path: str | Path) -> list[Prompt]:
                 try:
                     row = json.loads(line)
                 except json.JSONDecodeError as e:
-                    raise PromptFileError(f"{p}:{n}: invalid JSON ({e.msg} at column {e.colno})"
-                                          ) from None
+                    raise PromptFileError(
+                        f"{p}:{n}: invalid JSON ({e.msg} at column {e.colno})") from None
                 try:
                     out.append(prompt_from_row(row, str(n), default_cat))
                 except ValueError as e:
