@@ -1,7 +1,9 @@
 """Benchmarks: arms of one vLLM engine each, served one after the other on the same prompt
 stream, a report (JSON, markdown, PNG), the domain-shift and concurrency benchmarks, the demo.
 
-    prompts.py     prompt streams (Spec-Bench categories, HumanEval, built-in chat prompts)
+    prompts.py     prompt streams (Spec-Bench categories, HumanEval, built-in chat prompts,
+                   prompt files: prompt / OpenAI messages / ShareGPT JSONL)
+    arrivals.py    arrival processes: closed loop of C clients, Poisson open loop; asyncio driver
     arm_catalog.py arm names -> ArmSpec (nospec, ngram, frozen, online-<algo>, fixed/adaflash/budget)
     arm_process.py `python -m vllm_onlinespec.bench.arm_process SPEC.json`: one engine, one
                    stream, one result (the subprocess of one arm)

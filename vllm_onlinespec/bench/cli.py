@@ -7,6 +7,14 @@
 Categories are Spec-Bench categories, plus two pseudo-categories usable on either side:
 `humaneval` (the PyPI package's 164 problems) and `chat` (the built-in chat prompts).
 `-coding,-math` means every Spec-Bench category except those.
+
+`--prompts FILE` serves your own prompts instead of Spec-Bench categories: JSONL, one row per
+request, each with 'prompt' (a string), 'messages' (OpenAI chat, [{"role", "content"}]) or
+'conversations' (ShareGPT, [{"from": "human"|"gpt"|"system", "value"}]); chats are served up to
+their last user/human turn. The drafter can still be trained on Spec-Bench categories.
+
+    vllm-onlinespec bench --prompts my_traffic.jsonl --drafter DRAFTER --arms nospec,online-ogd \
+        --out results/mine
 """
 
 from __future__ import annotations
@@ -64,6 +72,20 @@ def load_categories(categories: list[str] | None, spec_bench: str | None) -> lis
     return out
 
 
+def serving_prompts(args: argparse.Namespace, serve_cats: list[str] | None) -> list:
+    """The prompts the stream is drawn from: --prompts FILE, else the serving categories."""
+    if getattr(args, "prompts", None):
+        return P.from_file(args.prompts)
+    return load_categories(serve_cats, args.spec_bench)
+
+
+def check_stream_source(args: argparse.Namespace) -> None:
+    """--prompts replaces the serving categories: giving both is ambiguous, so it is an error."""
+    if getattr(args, "prompts", None) and args.serve_categories:
+        raise ValueError("--prompts and --serve-categories both choose the serving stream; "
+                         "give one")
+
+
 def build_stream(serve: list, train: list, tokenizer, *, max_prompt_tokens: int,
                  num_prompts: int | None, seed: int) -> list:
     stream = P.interleave(P.by_length(P.exclude(serve, train), tokenizer, max_prompt_tokens), seed)
@@ -85,6 +107,10 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     a("--train-categories", help="what the starting drafter is trained on (ignored with --drafter)")
     a("--serve-categories", help="what the stream serves (default: every Spec-Bench category not "
       "trained on)")
+    a("--prompts", metavar="FILE", help="serve the prompts of this JSONL file instead of "
+      "--serve-categories; one row per request with 'prompt' (string), 'messages' (OpenAI chat "
+      "list of {role, content}) or 'conversations' (ShareGPT list of {from: human|gpt|system, "
+      "value}, served up to the last human turn); .jsonl.gz too")
     a("--drafter", help="start from this DFlash drafter folder instead of training one")
     a("--train-args", default="", help="extra `vllm-onlinespec train` flags, one string")
     a("--target", default="smollm2-135m", help="known model name or HF folder")
@@ -113,14 +139,17 @@ def run_bench(args: argparse.Namespace) -> int:
     from vllm_onlinespec.bench.launch import run_arms
     from vllm_onlinespec.models import cache_dir, resolve
 
+    check_stream_source(args)
     t0 = time.perf_counter()
     out = Path(args.out)
     arms = [x.strip() for x in args.arms.split(",") if x.strip()]
     online = _merge(DEFAULT_ONLINE, json.loads(args.online))
     train_cats = P.parse_categories(args.train_categories)
     serve_cats = P.parse_categories(args.serve_categories)
-    if serve_cats is None and train_cats is not None:
+    if serve_cats is None and train_cats is not None and not args.prompts:
         serve_cats = [c for c in P.SPEC_BENCH_CATEGORIES if c not in train_cats]
+    # Read the serving prompts first: a bad prompt file must fail before a drafter is trained.
+    serve_prompts = serving_prompts(args, serve_cats)
     target = resolve(args.target)
     tok = AutoTokenizer.from_pretrained(target)
 
@@ -133,7 +162,7 @@ def run_bench(args: argparse.Namespace) -> int:
         flags = train_flags(train_cats, args.spec_bench, extra=args.train_args)
         flags[flags.index("--target") + 1] = target
         drafter = str(ensure_drafter(cache_dir() / "drafters" / f"bench-{cache_key(flags)}", flags))
-    stream = build_stream(load_categories(serve_cats, args.spec_bench), train_prompts, tok,
+    stream = build_stream(serve_prompts, train_prompts, tok,
                           max_prompt_tokens=args.max_prompt_tokens, num_prompts=args.num_prompts,
                           seed=args.seed)
     stream_path = P.write_stream(stream, out / "stream.jsonl")
@@ -145,8 +174,8 @@ def run_bench(args: argparse.Namespace) -> int:
              for a in arms]
     results = run_arms(specs, out)
     meta = {"arms": arms, "target": target, "drafter": drafter, "train_categories": train_cats,
-            "serve_categories": serve_cats, "prompts": len(stream), "wave": args.wave,
-            "max_tokens": args.max_tokens, "dtype": args.dtype, "online": online,
+            "serve_categories": serve_cats, "prompts_file": args.prompts, "prompts": len(stream),
+            "wave": args.wave, "max_tokens": args.max_tokens, "dtype": args.dtype, "online": online,
             "catch_up_s": args.catch_up_s, "wall_s": round(time.perf_counter() - t0, 1)}
     paths = write_report(results, out, title="vllm-onlinespec bench", meta=meta)
     print("\n" + text_table(summarize(results)))

@@ -3,15 +3,19 @@
 A stream is a list of `training.data.Prompt`s in serving order, written as jsonl
 (`Prompt.to_json()` rows) for the arm subprocesses. Sources: Spec-Bench categories (path given
 by the caller: the installed package never assumes where data lives), HumanEval (PyPI package),
-and a built-in set of varied chat prompts, so the demo runs without any data file.
+a built-in set of varied chat prompts, so the demo runs without any data file, and any prompt
+file a user has (`from_file`: JSONL rows with `prompt`, OpenAI `messages` or ShareGPT
+`conversations`).
 """
 
 from __future__ import annotations
 
+import gzip
 import json
 import random
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 from vllm_onlinespec.training.data import Prompt, dedupe, load_humaneval, load_spec_bench
 
@@ -155,3 +159,116 @@ def write_stream(prompts: Sequence[Prompt], path: str | Path) -> Path:
 def read_stream(path: str | Path) -> list[dict]:
     with open(path, encoding="utf-8") as f:
         return [json.loads(line) for line in f if line.strip()]
+
+
+# -- prompt files ---------------------------------------------------------------------------------
+
+PROMPT_FILE_FORMATS = ("'prompt' (a string), 'messages' (OpenAI chat: [{role, content}]) or "
+                       "ShareGPT 'conversations' ([{from: human|gpt|system, value}])")
+CHAT_ROLES = ("system", "user", "assistant")
+SHAREGPT_ROLES = {"human": "user", "gpt": "assistant", "system": "system"}
+
+
+class PromptFileError(ValueError):
+    """One bad row of a prompt file: the message is `FILE:LINE: what is wrong`."""
+
+
+def _chat_from_messages(msgs: list[dict[str, str]], what: str) -> tuple[str | None, str, tuple]:
+    """(system, first user turn, later turns) of a chat, cut after its last user turn: the
+    target answers that turn (a dataset's own answer to it, if any, is not what we serve).
+    Turns before the first user turn other than one system prompt are dropped: chat templates
+    want the conversation to open with the user, and ShareGPT rows sometimes open with a gpt
+    greeting."""
+    last_user = max((i for i, m in enumerate(msgs) if m["role"] == "user"), default=None)
+    if last_user is None:
+        raise ValueError(f"'{what}' has no {'human' if what == 'conversations' else 'user'} turn")
+    msgs = msgs[:last_user + 1]
+    first_user = next(i for i, m in enumerate(msgs) if m["role"] == "user")
+    systems = [m["content"] for m in msgs[:first_user] if m["role"] == "system"]
+    if len(systems) > 1:
+        raise ValueError(f"'{what}' has {len(systems)} system turns before the first user turn")
+    history = tuple((m["role"], m["content"]) for m in msgs[first_user + 1:])
+    return (systems[0] if systems else None), msgs[first_user]["content"], history
+
+
+def _turns(row: dict[str, Any], field: str, role_key: str, text_key: str,
+           roles: dict[str, str]) -> list[dict[str, str]]:
+    turns = row[field]
+    if not isinstance(turns, list) or not turns:
+        raise ValueError(f"'{field}' must be a non-empty list")
+    out = []
+    for i, t in enumerate(turns, 1):
+        if not isinstance(t, dict):
+            raise ValueError(f"{field}[{i}] is not an object")
+        role, text = t.get(role_key), t.get(text_key)
+        if role not in roles:
+            raise ValueError(f"{field}[{i}].{role_key} is {role!r}, "
+                             f"expected one of {sorted(roles)}")
+        if not isinstance(text, str):
+            raise ValueError(f"{field}[{i}].{text_key} must be a string, got {type(text).__name__}")
+        if not text.strip():
+            raise ValueError(f"{field}[{i}].{text_key} is empty")
+        out.append({"role": roles[role], "content": text})
+    return out
+
+
+def prompt_from_row(row: Any, key: str, default_category: str = "") -> Prompt:
+    """One prompt-file row as a Prompt; ValueError (without the file position) when it is not
+    one. `id` and `category` are used when they are strings or numbers."""
+    if not isinstance(row, dict):
+        raise ValueError(f"expected a JSON object, got {type(row).__name__}")
+    rid = row.get("id", row.get("question_id", key))
+    cat = row.get("category", default_category)
+    cat = str(cat) if isinstance(cat, (str, int, float)) else default_category
+    # The first of the three fields present decides the format: a row with both 'prompt' and
+    # 'messages' is read as 'prompt', as load_jsonl does.
+    if "prompt" in row:
+        text = row["prompt"]
+        if not isinstance(text, str):
+            raise ValueError(f"'prompt' must be a string, got {type(text).__name__}")
+        if not text.strip():
+            raise ValueError("'prompt' is empty")
+        system, history = None, ()
+    elif "messages" in row:
+        msgs = _turns(row, "messages", "role", "content", {r: r for r in CHAT_ROLES})
+        system, text, history = _chat_from_messages(msgs, "messages")
+    elif "conversations" in row:
+        msgs = _turns(row, "conversations", "from", "value", SHAREGPT_ROLES)
+        system, text, history = _chat_from_messages(msgs, "conversations")
+    else:
+        raise ValueError(f"none of 'prompt', 'messages', 'conversations' (keys: "
+                         f"{', '.join(sorted(map(str, row))) or 'none'})")
+    return Prompt(id=f"file:{rid}", source="file", text=text, category=cat, system=system,
+                  history=history)
+
+
+def from_file(path: str | Path) -> list[Prompt]:
+    """Every row of a JSONL prompt file (.gz too) as a Prompt, in file order. Each row has
+    'prompt', 'messages' or ShareGPT 'conversations'; blank lines are skipped; the first bad row
+    raises PromptFileError `FILE:LINE: reason`. Rows without a 'category' get the file's name
+    (so a stream's category list says where it came from)."""
+    p = Path(path)
+    if not p.is_file():
+        raise PromptFileError(f"{p}: no such prompt file")
+    default_cat = p.name.removesuffix(".gz").removesuffix(".jsonl").removesuffix(".json")
+    opener = gzip.open if p.suffix == ".gz" else open
+    out, n = [], 0
+    with opener(p, "rt", encoding="utf-8") as f:
+        try:
+            for n, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                try:
+                    row = json.loads(line)
+                except json.JSONDecodeError as e:
+                    raise PromptFileError(
+                        f"{p}:{n}: invalid JSON ({e.msg} at column {e.colno})") from None
+                try:
+                    out.append(prompt_from_row(row, str(n), default_cat))
+                except ValueError as e:
+                    raise PromptFileError(f"{p}:{n}: {e}") from None
+        except (UnicodeDecodeError, OSError, EOFError) as e:  # not UTF-8, a broken .gz
+            raise PromptFileError(f"{p}:{n + 1}: unreadable ({e})") from None
+    if not out:
+        raise PromptFileError(f"{p}: no prompts (the file is empty)")
+    return out
