@@ -10,7 +10,6 @@ file a user has (`from_file`: JSONL rows with `prompt`, OpenAI `messages` or Sha
 
 from __future__ import annotations
 
-import gzip
 import json
 import random
 from collections.abc import Sequence
@@ -247,28 +246,16 @@ def from_file(path: str | Path) -> list[Prompt]:
     'prompt', 'messages' or ShareGPT 'conversations'; blank lines are skipped; the first bad row
     raises PromptFileError `FILE:LINE: reason`. Rows without a 'category' get the file's name
     (so a stream's category list says where it came from)."""
+    from vllm_onlinespec.jsonl import iter_jsonl
+
     p = Path(path)
-    if not p.is_file():
-        raise PromptFileError(f"{p}: no such prompt file")
     default_cat = p.name.removesuffix(".gz").removesuffix(".jsonl").removesuffix(".json")
-    opener = gzip.open if p.suffix == ".gz" else open
-    out, n = [], 0
-    with opener(p, "rt", encoding="utf-8") as f:
+    out = []
+    for n, row in iter_jsonl(p, PromptFileError):
         try:
-            for n, line in enumerate(f, 1):
-                if not line.strip():
-                    continue
-                try:
-                    row = json.loads(line)
-                except json.JSONDecodeError as e:
-                    raise PromptFileError(
-                        f"{p}:{n}: invalid JSON ({e.msg} at column {e.colno})") from None
-                try:
-                    out.append(prompt_from_row(row, str(n), default_cat))
-                except ValueError as e:
-                    raise PromptFileError(f"{p}:{n}: {e}") from None
-        except (UnicodeDecodeError, OSError, EOFError) as e:  # not UTF-8, a broken .gz
-            raise PromptFileError(f"{p}:{n + 1}: unreadable ({e})") from None
+            out.append(prompt_from_row(row, str(n), default_cat))
+        except ValueError as e:
+            raise PromptFileError(f"{p}:{n}: {e}") from None
     if not out:
         raise PromptFileError(f"{p}: no prompts (the file is empty)")
     return out

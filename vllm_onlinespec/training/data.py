@@ -7,9 +7,7 @@ other prompts are loaded, their order, or later additions: a held-out prompt sta
 
 from __future__ import annotations
 
-import gzip
 import hashlib
-import json
 import os
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -41,22 +39,13 @@ class Prompt:
 
 
 def _read_jsonl(path: str | os.PathLike) -> list[dict]:
-    p = Path(path)
-    if not p.is_file():
-        raise FileNotFoundError(f"{p}: no such prompt file")
-    opener = gzip.open if p.suffix == ".gz" else open
+    from vllm_onlinespec.jsonl import iter_jsonl
+
     rows = []
-    with opener(p, "rt", encoding="utf-8") as f:
-        for n, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{p}:{n}: invalid JSON ({e.msg})") from None
-            if not isinstance(row, dict):
-                raise ValueError(f"{p}:{n}: expected a JSON object per line")
-            rows.append(row)
+    for n, row in iter_jsonl(path):
+        if not isinstance(row, dict):
+            raise ValueError(f"{path}:{n}: expected a JSON object per line")
+        rows.append(row)
     return rows
 
 
