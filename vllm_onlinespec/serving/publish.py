@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import logging
-import time
 from typing import Any, Mapping
 
 import torch
 
 from vllm_onlinespec.serving import compat
+from vllm_onlinespec.serving.step_timer import StepTimer
 
 logger = logging.getLogger("vllm_onlinespec")
 DRAFTER_PREFIX = "drafter."
@@ -26,6 +26,7 @@ class Publisher:
         self.count = 0
         self.last_ms = float("nan")
         self.total_ms = 0.0
+        self._timer = StepTimer()  # CUDA events on a GPU: load_weights only queues copies there
 
     def publish(self, latest: tuple[int, Mapping[str, torch.Tensor]]) -> bool:
         version, snapshot = latest
@@ -34,7 +35,8 @@ class Publisher:
         # On CUDA the snapshot was copied on the learner's stream: order this (serving) stream
         # after that copy before load_weights reads it. No-op for CPU snapshots.
         wait_ready = getattr(snapshot, "wait_ready", None)
-        t0 = time.perf_counter()
+        self._timer.poll()  # earlier publishes' GPU time, now measured
+        span = self._timer.start()
         if wait_ready is not None:
             wait_ready()
         named = [(k[len(DRAFTER_PREFIX):], v) for k, v in snapshot.items()
@@ -42,10 +44,13 @@ class Publisher:
         compat.load_draft_weights(self.runner, named)
         if self.repack:
             compat.repack_drafter_linears(self.runner)
-        self.last_ms = (time.perf_counter() - t0) * 1e3
-        self.total_ms += self.last_ms
         self.count += 1
-        logger.info("onlinespec: published drafter version %d (was %d) in %.1f ms",
-                    version, self.version, self.last_ms)
-        self.version = version
+        was, self.version = self.version, version
+        self._timer.stop(span, lambda sec: self._measured(version, was, sec))
         return True
+
+    def _measured(self, version: int, was: int, seconds: float) -> None:
+        self.last_ms = seconds * 1e3
+        self.total_ms += self.last_ms
+        logger.info("onlinespec: published drafter version %d (was %d) in %.1f ms",
+                    version, was, self.last_ms)
