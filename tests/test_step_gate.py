@@ -140,3 +140,21 @@ def test_step_timer_on_cpu_delivers_host_seconds_at_once():
     assert len(got) == 1 and 0.009 < got[0] < 1.0
     t.poll()  # nothing pending on CPU
     assert len(got) == 1
+
+
+def test_gate_shuts_while_the_length_head_cuts_every_draft_away():
+    """The population estimate says drafts pay, but the (trusted) head cuts them all to 0:
+    drafting is waste, so the gate shuts; an exploring step that shows the head verifying
+    again reopens it."""
+    st, cm = stats_with_rate(0.9), cost(b=2e-4)
+    g = StepGate(K, cm, explore_every=4)
+    assert g.decide(st, 2, 2).draft
+    for _ in range(3):
+        g.observe_cut(0.0)
+    d = g.decide(st, 2, 2)
+    assert not d.draft and "cut recent drafts to 0.00" in d.reason
+    while not (d := g.decide(st, 2, 2)).explore:
+        assert not d.draft
+    for _ in range(6):
+        g.observe_cut(3.0)  # the head verifies again
+    assert g.decide(st, 2, 2).draft

@@ -146,11 +146,14 @@ class DraftCutter:
             elif self.head_in_use:
                 self.on_skip("no_draft_hidden")
         used = pred if self.head_in_use else None
-        kw = {}
-        if self.policy_name == "budget":
-            kw = {"base_tokens": self._base_tokens,
-                  "force_full": self.gate.explore_requests if self._next.explore else 0}
+        kw = {"base_tokens": self._base_tokens} if self.policy_name == "budget" else {}
         lengths, reason = self.policy.lengths(used, self.K, B, **kw)
+        if self.gate is not None:
+            # What the policy verifies on its own, before exploration forces full drafts.
+            self.gate.observe_cut(sum(lengths) / B)
+            if self._next.explore:
+                n = min(self.gate.explore_requests, B)
+                lengths = [self.K] * n + list(lengths[n:])
         out = [d[: min(len(d), n)] for d, n in zip(drafts, lengths)]
         if self.head is not None and pred is not None and used is None:
             reason += f"; length head not used ({self.feedback.state()})"

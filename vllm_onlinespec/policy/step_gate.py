@@ -11,7 +11,9 @@ see no hole). The gate compares, for the next step,
     plain:        B / (t(base) + t_draft(0))
 
 with the population's per-position acceptance (only verified drafts update it), the target's
-measured cost model and the drafter's measured time at K and at 0. Exploration keeps the
+measured cost model and the drafter's measured time at K and at 0. The gate also stays shut
+while the cuts of recent drafted steps verified (almost) nothing: a trusted length head may cut
+every draft the population estimate would still verify. Exploration keeps the
 acceptance estimate current while the gate is shut: every `explore_every`-th shut step drafts
 anyway and the cutter verifies the full draft of up to `explore_requests` requests. Its cost
 is bounded: at most one drafted step in `explore_every`, at most explore_requests * K verify
@@ -26,6 +28,9 @@ import numpy as np
 
 from vllm_onlinespec.policy.budget import StepCostModel, plan
 from vllm_onlinespec.policy.verify_length import AcceptanceStats
+
+
+MIN_VERIFY_PER_REQUEST = 0.05  # below this the cuts verify (almost) nothing: drafting is waste
 
 
 @dataclass(frozen=True)
@@ -65,6 +70,10 @@ class StepGate:
         self.explore_every, self.explore_requests = explore_every, explore_requests
         self.min_obs, self.rho = min_obs, rho
         self.timer = DraftTimer()
+        # What the cut of recent drafted steps verified per request. The population estimate
+        # only moves on verified drafts: once a trusted length head cuts every draft to 0, it
+        # stops moving and would keep the gate open for drafts nobody verifies.
+        self.verify_ema: float | None = None
         self.shut_streak = 0  # consecutive steps the gate kept shut
         self.steps = self.shut_steps = self.explore_steps = 0
         self.last = GateDecision(True, False, "gate: no decision yet")
@@ -90,7 +99,11 @@ class StepGate:
         numbers = (f"spec {rate_spec:.0f} tok/s ({a.tokens} verify tokens, drafter "
                    f"{t_draft * 1e3:.1f} ms) vs plain {rate_plain:.0f} tok/s (drafter at K=0 "
                    f"{t_plain_draft * 1e3:.1f} ms)")
-        if rate_spec > rate_plain:
+        cut_away = self.verify_ema is not None and self.verify_ema < MIN_VERIFY_PER_REQUEST
+        if cut_away:
+            numbers = (f"the length head cut recent drafts to {self.verify_ema:.2f} verify "
+                       f"tokens per request; {numbers}")
+        if rate_spec > rate_plain and not cut_away:
             self.shut_streak = 0
             return self._set(GateDecision(True, False, f"gate: open, {numbers}"))
         self.shut_streak += 1
@@ -100,6 +113,12 @@ class StepGate:
                                                       f"{self.explore_every}), {numbers}"))
         self.shut_steps += 1
         return self._set(GateDecision(False, False, f"gate: shut, {numbers}"))
+
+    def observe_cut(self, verify_per_request: float) -> None:
+        """After a drafted step's cut: the verify tokens per request the policy chose on its
+        own (on an exploring step: before the forced full drafts)."""
+        x = float(verify_per_request)
+        self.verify_ema = x if self.verify_ema is None else 0.7 * self.verify_ema + 0.3 * x
 
     def _set(self, d: GateDecision) -> GateDecision:
         self.last = d

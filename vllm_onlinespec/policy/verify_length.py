@@ -295,12 +295,10 @@ class BudgetPolicy(_Base):
         self.cost_model, self.rho = cost_model, rho
 
     def lengths(self, pred_r: Pred, K: int, batch_size: int, *, base_tokens: int | None = None,
-                p_accept: Tensor | None = None, force_full: int = 0,
-                **kw: Any) -> tuple[list[int], str]:
+                p_accept: Tensor | None = None, **kw: Any) -> tuple[list[int], str]:
         """base_tokens: tokens the next step has besides drafts (default batch_size, one per
         request; add scheduled prefill tokens when known). p_accept [B, K]: per-position
-        conditional acceptance if a per-position head provides it; rows with NaN fall back.
-        force_full: the first this-many requests verify their whole draft (exploration)."""
+        conditional acceptance if a per-position head provides it; rows with NaN fall back."""
         B = batch_size
         if B == 0:
             return [], "budget: empty batch"
@@ -319,7 +317,6 @@ class BudgetPolicy(_Base):
         if rest.any():  # population rows; full rows also need an estimate of what they yield
             p[rest] = stats._rates()[None, :K]
         k_min = np.where(src == FULL, K, min(self.k_min, K))
-        k_min[: max(0, min(force_full, B))] = K
         a = plan(p, B if base_tokens is None else base_tokens, self.cost_model, k_min=k_min, K=K,
                  cost_scale=1.0 / self.rho)
         ms = 1e3
