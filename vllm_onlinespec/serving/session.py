@@ -284,8 +284,8 @@ class OnlineSession:
         if not isinstance(ids, list):
             self.guard.skip(G.NON_LIST_DRAFTS)
             return drafts
-        drafts.draft_token_ids = self.cutter.cut(ids, list(getattr(drafts, "req_ids", None) or [])
-                                                 or None)
+        req_ids = getattr(drafts, "req_ids", None)  # lets the next step's verification score the head
+        drafts.draft_token_ids = self.cutter.cut(ids, list(req_ids) if req_ids else None)
         return drafts
 
     # -- reading ----------------------------------------------------------------------------------
