@@ -36,19 +36,22 @@ class CurveRow:
 
 
 def _served_index(path: Path | None) -> tuple[dict, dict]:
+    """{(drafter dir, K): (b1, b8, nospec of the same file)}, and that file's nospec: a speedup
+    is only ever taken against the plain arm of the same run."""
     if path is None or not path.is_file():
         return {}, {}
-    by_dir, nospec = {}, {}
-    for r in json.loads(path.read_text()):
-        b1, b8 = r["phases"]
+    rows = json.loads(path.read_text())
+    nospec = {}
+    for r in rows:
         if r["arm"]["method"] == "none":
+            b1, b8 = r["phases"]
             nospec = {"b1": b1["tok_s"], "b8": b8["tok_s"]}
-        elif r["arm"]["method"] == "dflash":
-            by_dir[(str(Path(r["arm"]["drafter"]).resolve()), r["arm"]["k"])] = (b1, b8)
+    by_dir = {(str(Path(r["arm"]["drafter"]).resolve()), r["arm"]["k"]): (*r["phases"], nospec)
+              for r in rows if r["arm"]["method"] == "dflash"}
     return by_dir, nospec
 
 
-def rows_for(run: Path, served: dict, nospec: dict) -> list[CurveRow]:
+def rows_for(run: Path, served: dict) -> list[CurveRow]:
     meta = json.loads((run / "train_meta.json").read_text())
     cfg = meta["train_config"]
     k = meta["num_speculative_tokens"]
@@ -71,15 +74,15 @@ def rows_for(run: Path, served: dict, nospec: dict) -> list[CurveRow]:
             if hit is None and ev["step"] == meta.get("steps_total"):
                 hit = served.get((str(run.resolve()), kk))
             if hit and kk == k:
-                b1, b8 = hit
+                b1, b8, plain = hit
                 row.accept_len_served = b8["acceptance_length"]
                 if not b1["prompts"]:  # an acceptance-only run (no batch-1 phase): no timings
                     continue
                 row.accept_len_served_b1 = b1["acceptance_length"]
                 row.tok_s_b1, row.tok_s_b8 = b1["tok_s"], b8["tok_s"]
-                if nospec:
-                    row.speedup_b1 = round(b1["tok_s"] / nospec["b1"], 3)
-                    row.speedup_b8 = round(b8["tok_s"] / nospec["b8"], 3)
+                if plain:
+                    row.speedup_b1 = round(b1["tok_s"] / plain["b1"], 3)
+                    row.speedup_b8 = round(b8["tok_s"] / plain["b8"], 3)
         rows.append(row)
     return rows
 
@@ -152,7 +155,7 @@ def main() -> int:
         sv, ns = _served_index(Path(f))
         served.update(sv)
         nospec = ns or nospec
-    rows = [r for run in args.run for r in rows_for(Path(run), served, nospec)]
+    rows = [r for run in args.run for r in rows_for(Path(run), served)]
     write(rows, Path(args.out), nospec, [])
     return 0
 

@@ -170,3 +170,29 @@ def test_timer_host_clock_off_cuda():
     with Timer(torch.device("cpu")) as t:
         sum(range(1000))
     assert t.ms > 0
+
+
+def test_online_loss_vocabulary_grows_with_the_feedback(tmp_path):
+    """loss.vocab 'seen': the learner projects onto the tokens of the batches it has trained on,
+    a set that only grows; 'full' keeps the whole head."""
+    path = write_drafter(tmp_path / "d")
+    emb, lm = targets()
+    parts = build_learner(cfg(), path, emb, lm, K, train_length_head=False)
+    obj = parts.learner.loss_fn
+    first = obj.vocab_for(torch.tensor([[5, 7, 7], [9, 5, 0]]))
+    assert first.ids.tolist() == [0, 5, 7, 9]
+    torch.testing.assert_close(first.weight, lm[[0, 5, 7, 9]])
+    assert obj.vocab_for(torch.tensor([7, 9])) is first  # nothing new: no rebuild
+    grown = obj.vocab_for(torch.tensor([3, 49]))
+    assert grown.ids.tolist() == [0, 3, 5, 7, 9, 49]
+    feed(parts.buffer)
+    assert parts.learner.sync_step() == "updated", parts.learner.last_error
+    assert set(grown.ids.tolist()) <= set(obj._vocab.ids.tolist())  # the update's batch added
+    assert len(obj._vocab) > len(grown)
+
+    full = build_learner(cfg(loss={"vocab": "full"}), path, emb, lm, K, train_length_head=False)
+    assert full.learner.loss_fn.vocab_for(torch.tensor([1, 2])) is None
+    feed(full.buffer)
+    assert full.learner.sync_step() == "updated", full.learner.last_error
+    with pytest.raises(ConfigError, match="vocab"):
+        cfg(loss={"vocab": "most"})

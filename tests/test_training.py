@@ -17,8 +17,8 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from vllm_onlinespec.config import LossConfig
 from vllm_onlinespec.drafter import DFlashConfig, DFlashDrafter, LengthHead, load_drafter
 from vllm_onlinespec.training import data
-from vllm_onlinespec.training.blocks import (block_loss, greedy_accepted, response_mask,
-                                             sample_anchors)
+from vllm_onlinespec.training.blocks import (LossVocab, block_loss, greedy_accepted,
+                                             response_mask, sample_anchors)
 from vllm_onlinespec.training.generate import SamplingSpec, generate
 from vllm_onlinespec.training.trainer import TrainConfig, train
 
@@ -173,6 +173,44 @@ def test_block_loss_equals_hand_computation():
     g2 = torch.autograd.grad(hand, [drafter.fc.weight, lhead.out.weight])
     for x, y in zip(g1, g2):
         torch.testing.assert_close(x, y, rtol=1e-4, atol=1e-7)
+
+
+def test_loss_vocab_projects_onto_its_rows_and_reports_token_ids():
+    cfg, drafter = _tiny_drafter(block_size=4)
+    g = torch.Generator().manual_seed(3)
+    ids = torch.randint(1, 50, (2, 12), generator=g)
+    aux, final = torch.randn(2, 12, 64, generator=g), torch.randn(2, 12, 32, generator=g)
+    emb, head = torch.randn(50, 32, generator=g), torch.randn(50, 32, generator=g)
+    anchors = torch.tensor([[1, 5], [0, 4]])
+    kw = dict(loss_cfg=LossConfig(alpha=0.7, mode="reverse_kl"), impl="naive")
+
+    # The whole vocabulary as a LossVocab is the plain loss, value and statistics.
+    full, st_full = block_loss(drafter, ids, aux, final, anchors, emb, head, **kw)
+    same, st_same = block_loss(drafter, ids, aux, final, anchors, emb, head,
+                               vocab=LossVocab.of(head, torch.arange(50)), **kw)
+    torch.testing.assert_close(same, full)
+    assert st_same.match == st_full.match and st_same.accepted == st_full.accepted
+
+    # A subset: the loss is the plain loss of a target whose LM head has only those rows, and
+    # the argmaxes come back as token ids. Plant drafter/target agreement on tokens 37 and 11
+    # in rows 1-2 of block (0, 0), with 37 also the data's label after row 1: only with token
+    # ids (not subset positions) is row 1 on the greedy path, so row 2 counts as accepted too.
+    sub = torch.tensor([3, 37, 11, 20, 41])  # unsorted on purpose
+    assert LossVocab.of(head, sub).ids.tolist() == [3, 11, 20, 37, 41]
+    with torch.no_grad():
+        h0 = drafter.train_hidden(aux, ids, anchors, emb)
+        for r, tok in enumerate((37, 11)):
+            final[0, 1 + r] = h0[0, 0, r]
+            head[tok] = 10 * h0[0, 0, r]
+            ids[0, 2 + r] = tok
+    vocab = LossVocab.of(head, sub)
+    loss, st = block_loss(drafter, ids, aux, final, anchors, emb, head, vocab=vocab, **kw)
+    ref, st_ref = block_loss(drafter, ids, aux, final, anchors, emb, head[vocab.ids], **kw)
+    torch.testing.assert_close(loss, ref)  # same rows, so the same loss
+    assert st.match[:2] == st_ref.match[:2] and st.match[0] > 0
+    assert st.accepted == pytest.approx(st_ref.accepted + 1 / st.full_blocks)
+    with pytest.raises(ValueError, match="loss vocabulary ids"):
+        LossVocab.of(head, torch.tensor([0, 50]))
 
 
 def test_greedy_accepted_censoring():

@@ -75,6 +75,25 @@ class DistillObjective:
         self.lm_head_w = on_device(lm_head_w, self.device)
         self.loss_cfg = loss_cfg
         self.impl = loss_impl(self.device)
+        # loss.vocab "seen": the tokens of every feedback batch so far, a set that only grows
+        # (served text reuses a few thousand tokens, so it stops growing early and the loss
+        # projects onto ~1/5 of the LM head; blocks.LossVocab).
+        self._seen = (torch.zeros(self.lm_head_w.shape[0], dtype=torch.bool, device=self.device)
+                      if loss_cfg.vocab == "seen" else None)
+        self._vocab = None
+
+    def vocab_for(self, ids: torch.Tensor):
+        """The LossVocab covering `ids` and every token seen before (None for loss.vocab 'full').
+        Rebuilt only when a batch brings a new token: the slice copies the rows it keeps."""
+        from ..training.blocks import LossVocab
+
+        if self._seen is None:
+            return None
+        flat = ids.flatten()
+        if self._vocab is None or not bool(self._seen[flat].all()):
+            self._seen[flat] = True
+            self._vocab = LossVocab.of(self.lm_head_w, self._seen.nonzero().squeeze(1))
+        return self._vocab
 
     def to_device(self, batch: BlockBatch) -> BlockBatch:
         """The batch on the learner's device (the buffer keeps feedback on the host)."""
@@ -97,7 +116,7 @@ class DistillObjective:
                                  batch.final_hidden.to(dtype), batch.anchors, self.embed_w,
                                  self.lm_head_w, loss_cfg=self.loss_cfg,
                                  length_head=model.length_head, lengths=batch.lengths,
-                                 impl=self.impl)
+                                 impl=self.impl, vocab=self.vocab_for(batch.ids))
         return loss, stats.as_dict()
 
 

@@ -35,7 +35,7 @@ from tqdm.auto import tqdm
 
 from ..config import LossConfig
 from ..drafter import DFlashConfig, DFlashDrafter, LengthHead, save_drafter
-from .blocks import block_loss, response_mask, sample_anchors
+from .blocks import LossVocab, block_loss, response_mask, sample_anchors
 from .features import target_features
 from .generate import Sample
 
@@ -63,7 +63,7 @@ class TrainConfig:
     schedule: str = "cosine"  # or "linear"
     weight_decay: float = 0.01
     grad_clip: float = 1.0
-    loss: LossConfig = field(default_factory=LossConfig)
+    loss: LossConfig = field(default_factory=LossConfig)  # loss.vocab: see blocks.LossVocab
     length_head: bool = True
     seed: int = 0
     # evaluation / bookkeeping
@@ -384,6 +384,12 @@ def train(target_path: str, train_samples: Sequence[Sample], heldout_samples: Se
         raise ValueError(f"mask token {dcfg.mask_token_id} has no embedding row "
                          f"(vocab {embed_w.shape[0]})")
     target = None
+    # loss.vocab "seen": every token of the training sequences is known up front.
+    vocab = (LossVocab.of(lm_head_w, torch.cat([e.ids for e in train_ex]))
+             if cfg.loss.vocab == "seen" else None)
+    if vocab is not None:
+        log(f"loss vocabulary: {len(vocab)} of {lm_head_w.shape[0]} tokens (those in the "
+            f"training sequences)")
 
     drafter = DFlashDrafter(dcfg).float()
     length_head = LengthHead(dcfg.hidden_size).float() if cfg.length_head else None
@@ -447,6 +453,7 @@ def train(target_path: str, train_samples: Sequence[Sample], heldout_samples: Se
     meta.update(train_sequences=len(train_ex), train_tokens=n_tok, train_response_tokens=n_resp,
                 heldout_sequences=len(held_ex),
                 heldout_response_tokens=sum(len(e.ids) - e.start for e in held_ex),
+                loss_vocab_size=len(vocab) if vocab is not None else int(lm_head_w.shape[0]),
                 num_speculative_tokens=k, block_size=dcfg.block_size,
                 target_layer_ids=dcfg.target_layer_ids, drafter_parameters=drafter.num_parameters(),
                 steps_total=total, train_config=cfg.to_json())
@@ -471,7 +478,7 @@ def train(target_path: str, train_samples: Sequence[Sample], heldout_samples: Se
                                      batch["lengths"], cfg.anchors_per_seq, k, gen)
             loss, st = block_loss(drafter, batch["ids"], batch["aux"], batch["final"], anchors,
                                   embed_w, lm_head_w, loss_cfg=cfg.loss, length_head=length_head,
-                                  lengths=batch["lengths"])
+                                  lengths=batch["lengths"], vocab=vocab)
             opt.zero_grad(set_to_none=True)
             loss.backward()
             gnorm = torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
