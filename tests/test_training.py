@@ -18,7 +18,7 @@ from vllm_onlinespec.config import LossConfig
 from vllm_onlinespec.drafter import DFlashConfig, DFlashDrafter, LengthHead, load_drafter
 from vllm_onlinespec.training import data
 from vllm_onlinespec.training.blocks import (LossVocab, block_loss, greedy_accepted,
-                                             response_mask, sample_anchors)
+                                             response_mask, sample_anchors, walk_acceptance)
 from vllm_onlinespec.training.generate import SamplingSpec, generate
 from vllm_onlinespec.training.trainer import TrainConfig, train
 
@@ -211,6 +211,41 @@ def test_loss_vocab_projects_onto_its_rows_and_reports_token_ids():
     assert st.accepted == pytest.approx(st_ref.accepted + 1 / st.full_blocks)
     with pytest.raises(ValueError, match="loss vocabulary ids"):
         LossVocab.of(head, torch.tensor([0, 50]))
+
+
+def test_walk_acceptance_steps_like_serving():
+    # a block at 0 accepts 2 -> next anchor 3 accepts 1 -> next 5 has no full window: stop
+    assert walk_acceptance([2, 0, 0, 1, 0, -1, 3], 4) == (2, 5)
+    assert walk_acceptance([0, 0, 0], 4) == (3, 3)  # nothing accepted: 1 token per step
+    assert walk_acceptance([9, 0, 0], 4) == (1, 5)  # never more than K drafts per step
+    assert walk_acceptance([], 4) == (0, 0)
+    # An easy stretch then a hard one: uniform anchors average 1 + 20/10 = 3.0 tokens per step,
+    # the walk crosses the easy half in one step and the hard half in five: 10 / 6.
+    assert walk_acceptance([4] * 5 + [0] * 5, 4) == (6, 10)
+
+
+def test_walk_eval_counts_blocks_at_every_position_in_any_chunking():
+    from vllm_onlinespec.training.trainer import Example, walk_eval
+
+    cfg, drafter = _tiny_drafter(block_size=3)
+    g = torch.Generator().manual_seed(5)
+    emb, head = torch.randn(50, 32, generator=g), torch.randn(50, 32, generator=g)
+    exs = []
+    for n, start in ((14, 3), (9, 2)):
+        ids = torch.randint(1, 50, (n,), generator=g)
+        aux, final = torch.randn(n, 64, generator=g), torch.randn(n, 32, generator=g)
+        exs.append(Example(ids=ids, start=start, aux=aux, final=final))
+    # Make the drafter right at one position of the first answer so the walk jumps there.
+    with torch.no_grad():
+        e = exs[0]
+        h = drafter.train_hidden(e.aux.unsqueeze(0), e.ids.view(1, -1), torch.tensor([[5]]), emb)
+        e.final[5] = h[0, 0, 0]
+        e.ids[6] = int((h[0, 0, 0] @ head.T).argmax())
+    a = walk_eval(drafter, exs, emb, head, chunk=64)
+    b = walk_eval(drafter, exs, emb, head, chunk=2)
+    assert a == b
+    # positions with a full window: 14-2-3 = 9 and 9-2-2 = 5; one accepted draft skips one
+    assert a["walk_steps"] <= 14 and a["walk_acceptance"] > 1.0
 
 
 def test_greedy_accepted_censoring():

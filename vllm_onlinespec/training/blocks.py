@@ -15,6 +15,7 @@ target's own greedy text.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -25,7 +26,8 @@ from ..drafter.length_head import LengthHead, length_loss
 from ..drafter.model import DFlashDrafter, block_labels
 
 __all__ = ["LossConfig", "BlockStats", "LossVocab", "block_loss", "greedy_accepted",
-           "position_weights", "response_mask", "sample_anchors", "target_block_states"]
+           "position_weights", "response_mask", "sample_anchors", "target_block_states",
+           "walk_acceptance"]
 
 
 # -- anchors ---------------------------------------------------------------------------------------
@@ -113,6 +115,8 @@ class BlockStats:
     full_blocks: int  # blocks with all K labels, the ones acceptance is measured on
     accepted: float  # mean greedy accepted drafts over full blocks (a lower bound, see module doc)
     match: list[float]  # per draft row k: P(draft argmax == target argmax) over valid rows
+    # [B, A] accepted drafts per block (-1 where the block is not full); not in as_dict()
+    per_block: Tensor | None = None
 
     @property
     def acceptance(self) -> float:
@@ -126,6 +130,24 @@ class BlockStats:
              "acceptance": self.acceptance}
         d.update({f"match_{k + 1}": m for k, m in enumerate(self.match)})
         return d
+
+
+def walk_acceptance(accepted_at: Sequence[int], num_draft_tokens: int) -> tuple[int, int]:
+    """(verify steps, tokens) of greedy speculative decoding walking one answer.
+
+    accepted_at[i]: drafts accepted by a block anchored at the answer's i-th position (-1 or the
+    end of the list = no full window there: the walk stops). A step at i commits
+    accepted_at[i] + 1 tokens (the bonus included) and the next block is anchored right after
+    them, as in serving. tokens / steps is what vLLM's "mean acceptance length" reports. Over
+    stretches of similar acceptance it is a harmonic rather than an arithmetic mean of
+    (accepted + 1), so it is usually below the mean over uniformly placed anchors: a walk
+    crosses an easy stretch in few steps and a hard one in many.
+    """
+    steps = tokens = i = 0
+    while i < len(accepted_at) and accepted_at[i] >= 0:
+        a = min(int(accepted_at[i]), num_draft_tokens)
+        steps, tokens, i = steps + 1, tokens + a + 1, i + a + 1
+    return steps, tokens
 
 
 # -- the loss vocabulary ---------------------------------------------------------------------------
@@ -221,5 +243,6 @@ def block_loss(drafter: DFlashDrafter, ids: Tensor, aux: Tensor, final_hidden: T
         stats = BlockStats(
             loss=float(loss.detach()), distill=float(distill.detach()), length=float(length),
             blocks=int(block_ok.sum()), rows=n_rows, full_blocks=n_full,
-            accepted=float(accepted[full].float().mean()) if n_full else math.nan, match=per_k)
+            accepted=float(accepted[full].float().mean()) if n_full else math.nan, match=per_k,
+            per_block=accepted.masked_fill(~full, -1))
     return loss, stats
