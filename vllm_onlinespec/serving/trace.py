@@ -48,7 +48,20 @@ class DraftTracer:
             row = sampled[i].tolist() if isinstance(sampled, torch.Tensor) else list(sampled[i])
             rows.append({"req_id": view.req_ids[i], "block_pos": last_pos + 1,
                          "first_token": int(row[accepted[i] if drafted else 0]),
-                         "hidden": hidden[i * self.K:(i + 1) * self.K]})
+                         "hidden": hidden[i * self.K:(i + 1) * self.K],
+                         **self._features(view, start, keep)})
             start += n
         torch.save(rows, self.dir / f"step-{os.getpid()}-{self.step:06d}.pt")
         self.step += 1
+
+    @staticmethod
+    def _features(view: compat.StepView, start: int, keep: int) -> dict[str, torch.Tensor]:
+        """The committed rows' target features as vLLM captured them (what the drafter's context
+        and the learner's feedback are built from), for checks against an HF pass."""
+        if not view.aux_hidden_states:
+            return {}
+        rows = slice(start, start + keep)
+        cpu = lambda t: t[rows].detach().to("cpu", torch.float32).clone()  # noqa: E731
+        return {"positions": view.positions[rows].detach().to("cpu").clone(),
+                "aux": torch.cat([cpu(h) for h in view.aux_hidden_states], dim=-1),
+                "final": cpu(view.hidden_states)}
