@@ -41,8 +41,9 @@ def run_variant(spec: str, train, held, target: dict, tcfg, layer_ids: list[int]
                 budget_s: float) -> dict:
     from vllm_onlinespec.config import LossConfig
     from vllm_onlinespec.drafter import DFlashConfig, DFlashDrafter
-    from vllm_onlinespec.training.blocks import LossVocab, block_loss, response_mask, sample_anchors
-    from vllm_onlinespec.training.trainer import TrainConfig, collate, epoch_batches, evaluate
+    from vllm_onlinespec.training.blocks import LossVocab
+    from vllm_onlinespec.training.trainer import (TrainConfig, collate, epoch_batches, evaluate,
+                                                  make_optimizer, train_step)
 
     o = parse_variant(spec)
     layers, bs, anchors = int(o.get("layers", 1)), int(o.get("bs", 4)), int(o.get("anchors", 16))
@@ -68,28 +69,16 @@ def run_variant(spec: str, train, held, target: dict, tcfg, layer_ids: list[int]
                       eval_anchors=16, loss=loss_cfg, length_head=False)
     vocab = LossVocab.of(lm, torch.cat([e.ids for e in train])) if loss_cfg.vocab == "seen" else None
     params = list(drafter.parameters())
-    opt = torch.optim.AdamW([{"params": [p for p in params if p.dim() >= 2], "weight_decay": 0.01},
-                             {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}],
-                            lr=lr, betas=(0.9, 0.95))
+    opt = make_optimizer(params, lr, cfg.weight_decay)
     warmup = 20
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / (warmup + 1)))
-    k = dcfg.num_draft_tokens
     lengths = [len(e.ids) for e in train]
     step, epoch, train_s, evals = 0, 0, 0.0, []
     while train_s < budget_s:
         for b in epoch_batches(lengths, bs, 0, epoch):
             t0 = time.perf_counter()
-            batch = collate([train[i] for i in b])
-            t = batch["ids"].shape[1]
-            gen = torch.Generator().manual_seed(step)
-            anc = sample_anchors(response_mask(batch["starts"], batch["lengths"], t),
-                                 batch["lengths"], anchors, k, gen)
-            loss, _ = block_loss(drafter, batch["ids"], batch["aux"], batch["final"], anc, embed,
-                                 lm, loss_cfg=loss_cfg, lengths=batch["lengths"], vocab=vocab)
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(params, 1.0)
-            opt.step()
+            train_step(drafter, collate([train[i] for i in b]), anchors, step, embed, lm, opt,
+                       params, loss_cfg=loss_cfg, grad_clip=cfg.grad_clip, vocab=vocab)
             sched.step()
             step += 1
             train_s += time.perf_counter() - t0

@@ -250,6 +250,36 @@ def export_drafter(out: Path, dcfg: DFlashConfig, drafter: DFlashDrafter,
         shutil.rmtree(tmp, ignore_errors=True)
 
 
+# -- one step ---------------------------------------------------------------------------------------
+
+def make_optimizer(params: list[nn.Parameter], lr: float, weight_decay: float) -> torch.optim.AdamW:
+    # No decay on norms (gains) or biases: decaying them towards 0 only fights the init of 1.
+    decay = [p for p in params if p.dim() >= 2]
+    no_decay = [p for p in params if p.dim() < 2]
+    return torch.optim.AdamW([{"params": decay, "weight_decay": weight_decay},
+                              {"params": no_decay, "weight_decay": 0.0}], lr=lr, betas=(0.9, 0.95))
+
+
+def train_step(drafter: DFlashDrafter, batch: dict[str, Tensor], anchors_per_seq: int,
+               anchor_seed: int, embed_w: Tensor, lm_head_w: Tensor, opt: torch.optim.Optimizer,
+               params: list[nn.Parameter], *, loss_cfg: LossConfig, grad_clip: float,
+               length_head: LengthHead | None = None, vocab: LossVocab | None = None):
+    """One optimizer step on a collated batch: anchors inside the responses (drawn from
+    `anchor_seed`), block_loss, clipped AdamW step. Returns (BlockStats, grad norm)."""
+    t = batch["ids"].shape[1]
+    gen = torch.Generator().manual_seed(anchor_seed)
+    anchors = sample_anchors(response_mask(batch["starts"], batch["lengths"], t),
+                             batch["lengths"], anchors_per_seq, drafter.config.num_draft_tokens, gen)
+    loss, st = block_loss(drafter, batch["ids"], batch["aux"], batch["final"], anchors,
+                          embed_w, lm_head_w, loss_cfg=loss_cfg, length_head=length_head,
+                          lengths=batch["lengths"], vocab=vocab)
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    gnorm = torch.nn.utils.clip_grad_norm_(params, grad_clip)
+    opt.step()
+    return st, gnorm
+
+
 # -- the loop ---------------------------------------------------------------------------------------
 
 @dataclass
@@ -421,11 +451,7 @@ def train(target_path: str, train_samples: Sequence[Sample], heldout_samples: Se
     drafter = DFlashDrafter(dcfg).float()
     length_head = LengthHead(dcfg.hidden_size).float() if cfg.length_head else None
     params = list(drafter.parameters()) + (list(length_head.parameters()) if length_head is not None else [])
-    # No decay on norms (gains) or biases: decaying them towards 0 only fights the init of 1.
-    decay = [p for p in params if p.dim() >= 2]
-    no_decay = [p for p in params if p.dim() < 2]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay},
-                             {"params": no_decay, "weight_decay": 0.0}], lr=cfg.lr, betas=(0.9, 0.95))
+    opt = make_optimizer(params, cfg.lr, cfg.weight_decay)
     lengths = [len(e.ids) for e in train_ex]
     per_epoch = math.ceil(len(train_ex) / cfg.batch_size)
     total = cfg.max_steps or per_epoch * cfg.epochs
@@ -502,18 +528,10 @@ def train(target_path: str, train_samples: Sequence[Sample], heldout_samples: Se
         epoch, pos = divmod(step, per_epoch)
         batches = epoch_batches(lengths, cfg.batch_size, cfg.seed, epoch)
         for b in batches[pos:]:
-            batch = collate([train_ex[i] for i in b])
-            t = batch["ids"].shape[1]
-            gen = torch.Generator().manual_seed(cfg.seed * 1_000_003 + step)
-            anchors = sample_anchors(response_mask(batch["starts"], batch["lengths"], t),
-                                     batch["lengths"], cfg.anchors_per_seq, k, gen)
-            loss, st = block_loss(drafter, batch["ids"], batch["aux"], batch["final"], anchors,
-                                  embed_w, lm_head_w, loss_cfg=cfg.loss, length_head=length_head,
-                                  lengths=batch["lengths"], vocab=vocab)
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            gnorm = torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
-            opt.step()
+            st, gnorm = train_step(drafter, collate([train_ex[i] for i in b]),
+                                   cfg.anchors_per_seq, cfg.seed * 1_000_003 + step, embed_w,
+                                   lm_head_w, opt, params, loss_cfg=cfg.loss,
+                                   grad_clip=cfg.grad_clip, length_head=length_head, vocab=vocab)
             sched.step()
             step += 1
             window.append({**st.as_dict(), "grad_norm": float(gnorm)})
