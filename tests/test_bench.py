@@ -40,7 +40,28 @@ def test_arm_names_map_to_valid_configs(tmp_path, drafter_dir):
     ens = make_arm("online-ensemble", target="t", prompts="p", out_dir=tmp_path, drafter=drafter_dir)
     assert ens.onlinespec["algorithm"] == "ensemble" and ens.onlinespec["lr"] == DEFAULT_ONLINE["lr"]
     bud = make_arm("budget", target="t", prompts="p", out_dir=tmp_path, drafter=drafter_dir)
-    assert bud.onlinespec["length_head"] == {"policy": "budget"} and bud.learning
+    assert bud.onlinespec["length_head"] == {"policy": "budget", "k_min": 0} and bud.learning
+
+
+def test_vllm_dynamic_arm_carries_the_k_table(tmp_path, drafter_dir):
+    table = [[1, 2, 2], [3, 64, 0]]
+    dyn = make_arm("vllm-dynamic", target="t", prompts="p", out_dir=tmp_path, drafter=drafter_dir,
+                   k_per_batch_size=table)
+    assert dyn.onlinespec is None  # vLLM's own worker
+    assert dyn.speculative_config["num_speculative_tokens_per_batch_size"] == table
+    assert dyn.speculative_config["num_speculative_tokens"] == 7
+    stock = make_arm("vllm-dflash", target="t", prompts="p", out_dir=tmp_path, drafter=drafter_dir)
+    assert stock.onlinespec is None and stock.speculative_config["method"] == "dflash"
+    assert "num_speculative_tokens_per_batch_size" not in stock.speculative_config
+    with pytest.raises(ValueError, match="goes with the vllm-dynamic arm"):
+        make_arm("vllm-dynamic", target="t", prompts="p", out_dir=tmp_path, drafter=drafter_dir)
+    with pytest.raises(ValueError, match="goes with the vllm-dynamic arm"):
+        make_arm("budget", target="t", prompts="p", out_dir=tmp_path, drafter=drafter_dir,
+                 k_per_batch_size=table)
+    for bad in ([[2, 8, 1]], [[1, 8, -1]], [[1, 8]], [], [[4, 1, 1]]):
+        with pytest.raises(ValueError, match="k_per_batch_size must be"):
+            make_arm("vllm-dynamic", target="t", prompts="p", out_dir=tmp_path,
+                     drafter=drafter_dir, k_per_batch_size=bad)
 
 
 def test_shadow_arm_and_own_checkpoints(tmp_path, drafter_dir):

@@ -2,6 +2,9 @@
 
     nospec                       plain vLLM, no speculation
     ngram                        vLLM's prompt-lookup speculation, same K as the drafter
+    vllm-dflash                  vLLM's own DFlash worker with our drafter, fixed K, no onlinespec
+    vllm-dynamic                 the same with vLLM's per-batch-size K (`k_per_batch_size`, a list
+                                 of [first_bs, last_bs, K] applied by vLLM's scheduler; K >= 0)
     frozen                       our DFlash drafter, onlinespec enabled=false (start weights only)
     online-<algorithm>           learning on: ogd | optimistic | optimistic_momentum | ensemble
     shadow                       the ogd learner runs but never publishes: serving keeps the start
@@ -56,12 +59,20 @@ def known_arm(name: str) -> bool:
         return False
 
 
+def _policy(name: str) -> dict:
+    # The budget may verify nothing for a request (k_min 0, issue 15): that, and its step gate,
+    # are what let it fall back to plain decoding where a draft does not pay.
+    return {"policy": name, "k_min": 0} if name == "budget" else {"policy": name}
+
+
 def _parse(name: str) -> tuple[str, dict | None]:
     """(method, onlinespec overrides or None) for an arm name."""
     if name == "nospec":
         return "none", None
     if name == "ngram":
         return "ngram", None
+    if name in ("vllm-dflash", "vllm-dynamic"):
+        return "dflash", None
     if name == "frozen":
         return "dflash", {"enabled": False}
     if name == "shadow":
@@ -69,10 +80,11 @@ def _parse(name: str) -> tuple[str, dict | None]:
     if name.startswith("online-") and name[7:] in ALGORITHMS:
         return "dflash", {"algorithm": name[7:]}
     if name in POLICIES:
-        return "dflash", {"length_head": {"policy": name}}
+        return "dflash", {"length_head": _policy(name)}
     if name.startswith("frozen-") and name[7:] in POLICIES:
-        return "dflash", {"enabled": False, "length_head": {"policy": name[7:]}}
-    raise ValueError(f"unknown arm {name!r}; known: nospec, ngram, frozen, shadow, "
+        return "dflash", {"enabled": False, "length_head": _policy(name[7:])}
+    raise ValueError(f"unknown arm {name!r}; known: nospec, ngram, vllm-dflash, vllm-dynamic, "
+                     "frozen, shadow, "
                      + ", ".join(f"online-{a}" for a in ALGORITHMS) + ", "
                      + ", ".join(POLICIES) + ", frozen-<policy>")
 
@@ -82,6 +94,19 @@ def _merge(base: dict, over: dict) -> dict:
     for k, v in over.items():
         out[k] = _merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
     return out
+
+
+def _check_k_table(table) -> None:
+    """The shape vLLM's scheduler accepts (v1/spec_decode/dynamic/utils.py), checked before a
+    server starts so that a typo is one line here, not a failed start-up in a log."""
+    ok = (isinstance(table, list) and table and all(
+        isinstance(e, list | tuple) and len(e) == 3 and all(isinstance(x, int) for x in e)
+        and 1 <= e[0] <= e[1] and e[2] >= 0 for e in table))
+    starts = sorted(e[0] for e in table) if ok else []
+    if not ok or starts[0] != 1:
+        raise ValueError(f"k_per_batch_size must be a list of [first_bs, last_bs, K] with "
+                         f"1 <= first_bs <= last_bs, K >= 0 and the first range starting at "
+                         f"batch size 1; got {table!r}")
 
 
 def checkpoint_dir(out_dir: str | Path, arm: str) -> Path:
@@ -98,8 +123,15 @@ def clear_own_checkpoints(spec: ArmSpec) -> None:
 
 def make_arm(name: str, *, target: str, prompts: str, out_dir: str | Path,
              drafter: str | None = None, num_speculative_tokens: int | None = None,
-             online: dict | None = None, **spec_kw) -> ArmSpec:
+             online: dict | None = None, k_per_batch_size: list[list[int]] | None = None,
+             **spec_kw) -> ArmSpec:
     method, over = _parse(name)
+    if (name == "vllm-dynamic") != (k_per_batch_size is not None):
+        raise ValueError("k_per_batch_size (--k-per-batch-size) goes with the vllm-dynamic arm, "
+                         f"and that arm needs it; got arm {name!r} with "
+                         f"k_per_batch_size={k_per_batch_size!r}")
+    if k_per_batch_size is not None:
+        _check_k_table(k_per_batch_size)
     k = 0
     if method != "none":
         if drafter is None and method == "dflash":
@@ -115,4 +147,5 @@ def make_arm(name: str, *, target: str, prompts: str, out_dir: str | Path,
     return ArmSpec(name=name, target=target, prompts=str(prompts),
                    out=str(Path(out_dir) / "arms" / f"{name}.json"), method=method,
                    drafter=drafter if method == "dflash" else None,
-                   num_speculative_tokens=k, onlinespec=onlinespec, **spec_kw)
+                   num_speculative_tokens=k, k_per_batch_size=k_per_batch_size,
+                   onlinespec=onlinespec, **spec_kw)

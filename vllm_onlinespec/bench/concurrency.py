@@ -45,6 +45,7 @@ COUNTERS = {
 class Point:
     arm: str
     concurrency: int
+    repeat: int  # 0-based: the same prompts again (a timing repeat)
     num_prompts: int
     completed: int
     failed: int
@@ -118,8 +119,10 @@ def scrape(url: str) -> dict[str, float]:
 def spec_figures(before: dict, after: dict) -> dict:
     d = {k: after.get(n, 0.0) - before.get(n, 0.0) for k, n in COUNTERS.items()}
     drafts = d["drafts"]
+    # vLLM's own DFlash worker verifies what it drafts: its draft tokens are the verify tokens.
+    verify = d["verify_tokens"] or d["draft_tokens"]
     return {"acceptance_length": (d["accepted"] + drafts) / drafts if drafts else None,
-            "mean_verify_len": d["verify_tokens"] / drafts if drafts and d["verify_tokens"] else None,
+            "mean_verify_len": verify / drafts if drafts and verify else None,
             "verify_fraction": (d["verify_tokens"] / d["proposed_tokens"]
                                 if d["proposed_tokens"] else None),
             "drafter_version": int(after[COUNTERS["version"]]) if COUNTERS["version"] in after
@@ -129,8 +132,8 @@ def spec_figures(before: dict, after: dict) -> dict:
 # -- client ---------------------------------------------------------------------------------------
 
 def bench_point(url: str, spec: ArmSpec, dataset: Path, concurrency: int, num_prompts: int,
-                output_len: int, result_dir: Path, log) -> dict:
-    name = f"{spec.name}-c{concurrency}.json"
+                output_len: int, result_dir: Path, log, repeat: int = 0) -> dict:
+    name = f"{spec.name}-c{concurrency}-r{repeat}.json"
     cmd = [str(Path(sys.executable).parent / "vllm"), "bench", "serve", "--base-url", url,
            "--model", SERVED_NAME, "--tokenizer", spec.target, "--dataset-name", "spec_bench",
            "--dataset-path", str(dataset), "--spec-bench-output-len", str(output_len),
@@ -145,9 +148,19 @@ def bench_point(url: str, spec: ArmSpec, dataset: Path, concurrency: int, num_pr
     return json.loads(path.read_text())
 
 
-def write_dataset(spec_bench: str, out: Path, tokenizer_path: str, max_prompt_tokens: int) -> Path:
+VLLM_SPEC_BENCH_SEED = 0  # vLLM 0.32's spec_bench loader: random.seed(0), then shuffle
+
+
+def write_dataset(spec_bench: str, out: Path, tokenizer_path: str, max_prompt_tokens: int,
+                  skip_prompts: int = 0) -> Path:
     """Spec-Bench rows whose chat prompt fits max_prompt_tokens, in Spec-Bench's own format (so
-    vLLM's spec_bench loader reads it): long RAG contexts would be mostly prefill on a CPU."""
+    vLLM's spec_bench loader reads it): long RAG contexts would be mostly prefill on a CPU.
+
+    vLLM serves the first n rows of its fixed shuffle of this file. `skip_prompts` = N drops
+    the first N rows of that order, so a run on the result serves none of the prompts a run on
+    the whole file serves with n <= N (settings tuned on one, reported on the other)."""
+    import random
+
     from transformers import AutoTokenizer
 
     from vllm_onlinespec.training.data import load_spec_bench
@@ -155,17 +168,29 @@ def write_dataset(spec_bench: str, out: Path, tokenizer_path: str, max_prompt_to
 
     tok = AutoTokenizer.from_pretrained(tokenizer_path)
     keep = {p.text for p in load_spec_bench(spec_bench) if len(chat_ids(tok, p)) <= max_prompt_tokens}
+    with open(spec_bench, encoding="utf-8") as src:
+        lines = [ln if ln.endswith("\n") else ln + "\n" for ln in src
+                 if ln.strip() and json.loads(ln)["turns"][0] in keep]
+    if skip_prompts:
+        order = list(range(len(lines)))
+        random.Random(VLLM_SPEC_BENCH_SEED).shuffle(order)
+        drop = set(order[:skip_prompts])
+        lines = [ln for i, ln in enumerate(lines) if i not in drop]
+        if not lines:
+            raise ValueError(f"--skip-prompts {skip_prompts} leaves no prompt of the "
+                             f"{len(order)} that fit --max-prompt-tokens")
     path = out / "spec_bench_filtered.jsonl"
     out.mkdir(parents=True, exist_ok=True)
-    with open(spec_bench, encoding="utf-8") as src, open(path, "w", encoding="utf-8") as dst:
-        for line in src:
-            if line.strip() and json.loads(line)["turns"][0] in keep:
-                dst.write(line if line.endswith("\n") else line + "\n")
+    path.write_text("".join(lines), encoding="utf-8")
     return path
 
 
 def run_arm(spec: ArmSpec, dataset: Path, concurrencies: list[int], prompts_for, output_len: int,
-            out: Path) -> list[Point]:
+            out: Path, repeats: int = 1) -> list[Point]:
+    """One server for the arm; the whole concurrency sweep `repeats` times, so that a slow
+    drift of the machine spreads over every point rather than biasing one. Every repeat serves
+    the same prompts: vLLM 0.32's spec_bench loader shuffles with a fixed seed (it does not
+    read --seed), so a point's spread is timing noise, not prompt choice."""
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     logs = out / "logs"
@@ -178,18 +203,20 @@ def run_arm(spec: ArmSpec, dataset: Path, concurrencies: list[int], prompts_for,
                                 env={**os.environ, "VLLM_LOGGING_LEVEL": "INFO"})
         try:
             wait_healthy(url, proc)
-            for c in tqdm(concurrencies, desc=f"{spec.name:>10}", unit="C", leave=True):
+            plan = [(rep, c) for rep in range(repeats) for c in concurrencies]
+            for rep, c in tqdm(plan, desc=f"{spec.name:>12}", unit="pt", leave=True):
                 n = prompts_for(c)
                 before = scrape(url)
-                r = bench_point(url, spec, dataset, c, n, output_len, out / "raw", blog)
+                r = bench_point(url, spec, dataset, c, n, output_len, out / "raw", blog, rep)
                 figs = spec_figures(before, scrape(url))
                 points.append(Point(
-                    arm=spec.name, concurrency=c, num_prompts=n, completed=r["completed"],
+                    arm=spec.name, concurrency=c, repeat=rep, num_prompts=n,
+                    completed=r["completed"],
                     failed=r.get("failed", n - r["completed"]), duration_s=r["duration"],
                     output_tok_s=r["output_throughput"], mean_tpot_ms=r["mean_tpot_ms"],
                     p50_tpot_ms=r.get("p50_tpot_ms", r["median_tpot_ms"]),
                     p99_tpot_ms=r["p99_tpot_ms"], **figs))
-                tqdm.write(f"{spec.name} C={c}: {r['output_throughput']:.1f} tok/s, "
+                tqdm.write(f"{spec.name} C={c} repeat {rep}: {r['output_throughput']:.1f} tok/s, "
                            f"TPOT p50 {points[-1].p50_tpot_ms:.0f} ms, "
                            f"accept len {figs['acceptance_length'] or 1:.2f}")
         finally:
@@ -199,34 +226,98 @@ def run_arm(spec: ArmSpec, dataset: Path, concurrencies: list[int], prompts_for,
 
 # -- report ---------------------------------------------------------------------------------------
 
+@dataclass
+class Row:
+    """One (arm, C) over its repeats: medians, throughput's spread, failures summed."""
+    arm: str
+    concurrency: int
+    repeats: int
+    num_prompts: int  # per repeat
+    failed: int  # over all repeats
+    tok_s: float  # median output tok/s
+    tok_s_min: float
+    tok_s_max: float
+    tpot_p50_ms: float  # median over repeats of each repeat's p50 (likewise p99)
+    tpot_p99_ms: float
+    acceptance_length: float | None
+    mean_verify_len: float | None
+    verify_fraction: float | None
+    vs_nospec: float | None  # median tok/s over the nospec arm's median at the same C
+    vs_best_other: float | None  # over the best other arm's median at the same C
+
+
+def _median(xs: list) -> float | None:
+    xs = sorted(x for x in xs if x is not None)
+    if not xs:
+        return None
+    m = len(xs) // 2
+    return xs[m] if len(xs) % 2 else (xs[m - 1] + xs[m]) / 2
+
+
+def summarize(points: list[Point]) -> list[Row]:
+    groups: dict[tuple[str, int], list[Point]] = {}
+    for p in points:
+        groups.setdefault((p.arm, p.concurrency), []).append(p)
+    med = {k: _median([p.output_tok_s for p in ps]) for k, ps in groups.items()}
+    rows = []
+    for (arm, c), ps in groups.items():
+        others = [v for (a, c2), v in med.items() if c2 == c and a != arm]
+        nospec = med.get(("nospec", c))
+        rows.append(Row(
+            arm=arm, concurrency=c, repeats=len(ps), num_prompts=ps[0].num_prompts,
+            failed=sum(p.failed for p in ps), tok_s=med[(arm, c)],
+            tok_s_min=min(p.output_tok_s for p in ps), tok_s_max=max(p.output_tok_s for p in ps),
+            tpot_p50_ms=_median([p.p50_tpot_ms for p in ps]),
+            tpot_p99_ms=_median([p.p99_tpot_ms for p in ps]),
+            acceptance_length=_median([p.acceptance_length for p in ps]),
+            mean_verify_len=_median([p.mean_verify_len for p in ps]),
+            verify_fraction=_median([p.verify_fraction for p in ps]),
+            vs_nospec=med[(arm, c)] / nospec if nospec and arm != "nospec" else None,
+            vs_best_other=med[(arm, c)] / max(others) if others else None))
+    return rows
+
+
+def _f(x, fmt=".2f"):
+    return "-" if x is None else format(x, fmt)
+
+
 def markdown(points: list[Point]) -> str:
-    head = ("| arm | C | prompts | failed | output tok/s | TPOT mean ms | TPOT p50 ms | TPOT p99 ms "
-            "| accept len | mean verify len | verified/proposed | drafter version |\n"
-            "|---|---|---|---|---|---|---|---|---|---|---|---|\n")
-
-    def f(x, fmt=".2f"):
-        return "-" if x is None else format(x, fmt)
-
-    return head + "\n".join(
-        f"| {p.arm} | {p.concurrency} | {p.num_prompts} | {p.failed} | {p.output_tok_s:.1f} | "
-        f"{p.mean_tpot_ms:.1f} | {p.p50_tpot_ms:.1f} | {p.p99_tpot_ms:.1f} | "
-        f"{f(p.acceptance_length)} | {f(p.mean_verify_len)} | {f(p.verify_fraction)} | "
-        f"{f(p.drafter_version, 'd')} |" for p in points) + "\n"
+    """The summary over repeats, then every repeat's figures."""
+    head = ("| arm | C | repeats | failed | output tok/s median (min-max) | vs nospec "
+            "| vs best other | TPOT p50 ms | TPOT p99 ms | accept len | mean verify len "
+            "| verified/proposed |\n|---|---|---|---|---|---|---|---|---|---|---|---|\n")
+    summary = head + "\n".join(
+        f"| {r.arm} | {r.concurrency} | {r.repeats} | {r.failed} | {r.tok_s:.1f} "
+        f"({r.tok_s_min:.1f}-{r.tok_s_max:.1f}) | {_f(r.vs_nospec)} | {_f(r.vs_best_other)} | "
+        f"{r.tpot_p50_ms:.1f} | {r.tpot_p99_ms:.1f} | {_f(r.acceptance_length)} | "
+        f"{_f(r.mean_verify_len)} | {_f(r.verify_fraction)} |" for r in summarize(points)) + "\n"
+    head = ("| arm | C | repeat | prompts | failed | output tok/s | TPOT mean ms | TPOT p50 ms "
+            "| TPOT p99 ms | accept len | mean verify len | verified/proposed | drafter version |\n"
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|\n")
+    raw = head + "\n".join(
+        f"| {p.arm} | {p.concurrency} | {p.repeat} | {p.num_prompts} | {p.failed} | "
+        f"{p.output_tok_s:.1f} | {p.mean_tpot_ms:.1f} | {p.p50_tpot_ms:.1f} | "
+        f"{p.p99_tpot_ms:.1f} | {_f(p.acceptance_length)} | {_f(p.mean_verify_len)} | "
+        f"{_f(p.verify_fraction)} | {_f(p.drafter_version, 'd')} |" for p in points) + "\n"
+    return f"## Median over repeats\n\n{summary}\n## Every repeat\n\n{raw}"
 
 
 def plot(points: list[Point], path: Path) -> Path:
     from vllm_onlinespec.bench.report import _plt
 
     plt = _plt()
+    rows = summarize(points)
     fig, (a1, a2) = plt.subplots(1, 2, figsize=(11, 4.2))
-    for arm in dict.fromkeys(p.arm for p in points):
-        ps = [p for p in points if p.arm == arm]
-        cs = [p.concurrency for p in ps]
-        a1.plot(cs, [p.output_tok_s for p in ps], marker="o", label=arm)
-        line, = a2.plot(cs, [p.p50_tpot_ms for p in ps], marker="o", label=f"{arm} p50")
-        a2.plot(cs, [p.p99_tpot_ms for p in ps], marker="x", ls="--", color=line.get_color(),
+    for arm in dict.fromkeys(r.arm for r in rows):
+        rs = sorted((r for r in rows if r.arm == arm), key=lambda r: r.concurrency)
+        cs = [r.concurrency for r in rs]
+        a1.errorbar(cs, [r.tok_s for r in rs], yerr=[[r.tok_s - r.tok_s_min for r in rs],
+                                                      [r.tok_s_max - r.tok_s for r in rs]],
+                    marker="o", capsize=3, label=arm)
+        line, = a2.plot(cs, [r.tpot_p50_ms for r in rs], marker="o", label=f"{arm} p50")
+        a2.plot(cs, [r.tpot_p99_ms for r in rs], marker="x", ls="--", color=line.get_color(),
                 label=f"{arm} p99")
-    for ax, yl in ((a1, "output tokens / s"), (a2, "TPOT, ms")):
+    for ax, yl in ((a1, "output tokens / s (median, min-max)"), (a2, "TPOT, ms (median)")):
         ax.set_xscale("log", base=2)
         ax.set_xlabel("max concurrency")
         ax.set_ylabel(yl)
@@ -255,11 +346,17 @@ def add_bench_serve_parser(sub: argparse._SubParsersAction) -> None:
       "concurrency, when --num-prompts is not given (default 2: the server stays full)")
     a("--output-len", type=int, default=128, help="output tokens per request (default 128)")
     a("--max-prompt-tokens", type=int, default=512, help="skip longer Spec-Bench prompts")
+    a("--skip-prompts", type=int, default=0, metavar="N", help="leave out the N prompts a "
+      "sweep with at most N prompts per point serves (tune on the rest, report on those)")
     a("--drafter", help="DFlash drafter folder (default: the cached smollm2-default drafter)")
     a("--target", default="smollm2-135m")
     a("--dtype", default="bfloat16", choices=["bfloat16", "float32"],
       help="bfloat16 (default, the serving recipe) or float32 (exact greedy equality)")
     a("--online", default="{}", help="JSON merged into the learning arms' onlinespec settings")
+    a("--k-per-batch-size", type=json.loads, default=None, metavar="JSON",
+      help="vLLM's per-batch-size K for the vllm-dynamic arm: [[first_bs, last_bs, K], ...]")
+    a("--repeats", type=int, default=3, help="sweeps per arm over the same prompts "
+      "(timing repeats; default 3)")
     a("--out", required=True)
     b.set_defaults(func=run_bench_serve)
 
@@ -277,19 +374,27 @@ def run_bench_serve(args: argparse.Namespace) -> int:
                                 f"--recipe smollm2-default` or pass --drafter")
     concurrencies = [int(c) for c in args.concurrency.split(",")]
     online = _merge(DEFAULT_ONLINE, json.loads(args.online))
-    dataset = write_dataset(args.spec_bench, out, target, args.max_prompt_tokens)
+    dataset = write_dataset(args.spec_bench, out, target, args.max_prompt_tokens,
+                            args.skip_prompts)
     points: list[Point] = []
-    for name in arms:
-        spec = make_arm(name, target=target, prompts=str(dataset), out_dir=out, drafter=drafter,
-                        online=online, dtype=args.dtype)
+    if args.repeats < 1:
+        raise ValueError(f"--repeats must be >= 1, got {args.repeats}")
+    specs = [make_arm(name, target=target, prompts=str(dataset), out_dir=out, drafter=drafter,
+                      online=online, dtype=args.dtype,
+                      k_per_batch_size=args.k_per_batch_size if name == "vllm-dynamic" else None)
+             for name in arms]  # every arm's settings are checked before the first server starts
+    for name, spec in zip(arms, specs):
         try:
             points += run_arm(spec, dataset, concurrencies,
                               lambda c: args.num_prompts or max(8, round(args.prompts_per_c * c)),
-                              args.output_len, out)
+                              args.output_len, out, args.repeats)
         except Exception as e:  # noqa: BLE001 - the other arms still run
             tqdm.write(f"{name}: FAILED: {e}")
         (out / "concurrency.json").write_text(json.dumps(
-            {"arms": arms, "drafter": drafter, "online": online, "points": [asdict(p) for p in points]},
+            {"arms": arms, "drafter": drafter, "online": online, "repeats": args.repeats,
+             "k_per_batch_size": args.k_per_batch_size, "output_len": args.output_len,
+             "rows": [asdict(r) for r in summarize(points)],
+             "points": [asdict(p) for p in points]},
             indent=1))
     (out / "concurrency.md").write_text("# vllm bench serve, Spec-Bench\n\n" + markdown(points))
     print("\n" + markdown(points))

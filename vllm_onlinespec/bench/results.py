@@ -22,6 +22,8 @@ class ArmSpec:
     method: str = "none"  # "none" | "ngram" | "dflash"
     drafter: str | None = None
     num_speculative_tokens: int = 0
+    # vLLM's scheduler-level K per batch size: [[first_bs, last_bs, K], ...], K >= 0 (None: off)
+    k_per_batch_size: list[list[int]] | None = None
     onlinespec: dict | None = None  # additional_config["onlinespec"]; None = plain vLLM worker
     dtype: str = "bfloat16"  # the serving recipe; float32 only where outputs must match exactly
     wave: int = 4  # prompts per wave: one llm.chat call, batched
@@ -42,6 +44,8 @@ class ArmSpec:
             cfg.update(prompt_lookup_min=2, prompt_lookup_max=4)
         else:
             cfg["model"] = self.drafter
+        if self.k_per_batch_size is not None:
+            cfg["num_speculative_tokens_per_batch_size"] = self.k_per_batch_size
         return cfg
 
     @property

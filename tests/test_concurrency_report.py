@@ -1,0 +1,57 @@
+"""bench-serve's summary over repeats: medians, spread, ratios against nospec and the best
+other arm at the same concurrency, failures summed."""
+
+import pytest
+
+from vllm_onlinespec.bench.concurrency import Point, markdown, summarize
+
+
+def _pt(arm, c, rep, tok_s, failed=0, p50=10.0, accept=None):
+    return Point(arm=arm, concurrency=c, repeat=rep, num_prompts=8, completed=8 - failed,
+                 failed=failed, duration_s=1.0, output_tok_s=tok_s, mean_tpot_ms=p50,
+                 p50_tpot_ms=p50, p99_tpot_ms=2 * p50, acceptance_length=accept)
+
+
+def test_summary_medians_ratios_and_failures():
+    pts = [_pt("nospec", 1, r, v) for r, v in enumerate([10.0, 12.0, 11.0])]
+    pts += [_pt("budget", 1, r, v, failed=r == 2, accept=a)
+            for r, (v, a) in enumerate([(9.0, 1.2), (14.0, 1.4), (11.0, 1.3)])]
+    pts += [_pt("fixed", 1, r, v) for r, v in enumerate([5.0, 6.0, 7.0])]
+    pts += [_pt("nospec", 4, r, v) for r, v in enumerate([30.0, 40.0])]  # even count: mean of 2
+    rows = {(r.arm, r.concurrency): r for r in summarize(pts)}
+    b = rows[("budget", 1)]
+    assert (b.tok_s, b.tok_s_min, b.tok_s_max, b.repeats, b.failed) == (11.0, 9.0, 14.0, 3, 1)
+    assert b.acceptance_length == pytest.approx(1.3)
+    assert b.vs_nospec == pytest.approx(11.0 / 11.0)
+    assert b.vs_best_other == pytest.approx(1.0)  # nospec's median 11 is the best other arm
+    assert rows[("fixed", 1)].vs_best_other == pytest.approx(6.0 / 11.0)
+    assert rows[("nospec", 1)].vs_nospec is None
+    assert rows[("nospec", 1)].vs_best_other == pytest.approx(11.0 / 11.0)
+    n4 = rows[("nospec", 4)]
+    assert n4.tok_s == pytest.approx(35.0) and n4.vs_best_other is None  # alone at C = 4
+    md = markdown(pts)
+    assert "| budget | 1 | 3 | 1 | 11.0 (9.0-14.0) | 1.00 |" in md
+    assert md.count("| budget | 1 |") == 4  # the summary row and its three repeats
+
+
+def test_skip_prompts_leaves_out_what_a_report_run_serves(tmp_path, smollm2_path):
+    """A tuning file written with --skip-prompts N shares no prompt with the first N that vLLM's
+    own spec_bench loader serves from the whole file (its fixed shuffle, reproduced here)."""
+    import json
+    from pathlib import Path
+
+    from vllm.benchmarks.datasets.datasets import SpecBench
+
+    from vllm_onlinespec.bench.concurrency import write_dataset
+
+    src = Path(__file__).resolve().parents[2] / "shared/data/spec_bench/question.jsonl"
+    if not src.is_file():
+        pytest.skip("no Spec-Bench file beside the checkout")
+    full = write_dataset(str(src), tmp_path / "full", smollm2_path, 512)
+    tune = write_dataset(str(src), tmp_path / "tune", smollm2_path, 512, skip_prompts=64)
+    served = [d["prompt"] for d in SpecBench(dataset_path=str(full)).data[:64]]
+    left = [json.loads(ln)["turns"][0] for ln in tune.read_text().splitlines()]
+    n_full = len(full.read_text().splitlines())
+    assert len(left) == n_full - 64 and not set(served) & set(left)
+    with pytest.raises(ValueError, match="leaves no prompt"):
+        write_dataset(str(src), tmp_path / "none", smollm2_path, 512, skip_prompts=n_full)
