@@ -154,6 +154,26 @@ class LengthHeadConfig(_Section):
 ORACLE_ENV = "VLLM_ONLINESPEC_BENCHMARK_ORACLE"
 
 
+class FeatureLogConfig(_Section):
+    """Keep the target features vLLM computes while it serves, for offline drafter training:
+    a data-generation engine then needs no second pass of the target (serving/feature_log.py,
+    read back by training/captured.py)."""
+
+    dir: str | None = Field(
+        None, description="write every committed token's target features (the drafter's aux "
+        "layers and the final hidden state, in the serving dtype) to safetensors files in this "
+        "folder (None = off). Tokens served from the prefix cache are never computed, so a "
+        "request with a cache hit cannot be assembled: turn prefix caching off where every "
+        "request should count")
+    plain: bool = Field(
+        False, description="never speculate: every step runs vLLM's drafter at K = 0 (the "
+        "context K/V only, no draft) and verifies nothing, so the engine decodes as plain vLLM "
+        "does while it logs features (data generation)")
+    flush_tokens: int = Field(
+        16384, ge=1, description="write a file once this many token rows are pending (>= 1); "
+        "the worker's `onlinespec_flush_features` RPC and shutdown write the rest")
+
+
 class OracleConfig(_Section):
     """Benchmark-only: output is NOT the target's. Measures the ceiling a perfect drafter would
     reach at the real cost of drafting and verifying (vLLM's synthetic rejection mode, which
@@ -298,6 +318,9 @@ class OnlineSpecConfig(_Section):
         default_factory=LengthHeadConfig, description="verify-length head and policy")
     oracle: OracleConfig = Field(
         default_factory=OracleConfig, description="benchmark-only forced acceptance (off)")
+    features: FeatureLogConfig = Field(
+        default_factory=FeatureLogConfig, description="log served tokens' target features "
+        "for offline training (off)")
 
     @field_validator("learner_device")
     @classmethod

@@ -53,6 +53,11 @@ class SpecDecodeWorker(_Base):  # type: ignore[misc, valid-type]
             return {}
         return {**prof.as_dict(), "per_step_ms": prof.per_step_ms()}
 
+    def onlinespec_flush_features(self) -> int:
+        """Write the feature log's pending rows (config `features.dir`); rows logged so far."""
+        session = getattr(getattr(self, "model_runner", None), "_onlinespec", None)
+        return session.flush_features() if session is not None else 0
+
     def onlinespec_defects(self) -> str:
         """The start-up line of cpu_defects: which vLLM-CPU sampling defects were patched here."""
         from vllm_onlinespec.serving import cpu_defects

@@ -28,6 +28,7 @@ DEFAULTS: dict = {
     "exclude_categories": None, "data": None, "max_new_tokens": 192, "gen_dtype": "bfloat16",
     "target_dtype": "float32", "gen_cache": None, "loss_mode": "reverse_kl", "alpha": 0.8,
     "gamma": 7.0, "loss_vocab": "seen", "eval_anchors": 16, "eval_every": 0, "threads": "auto",
+    "features": "vllm",
 }
 # Where the project keeps Spec-Bench beside a checkout ("auto" also reads this env variable).
 SPEC_BENCH_ENV = "VLLM_ONLINESPEC_SPEC_BENCH"
@@ -60,6 +61,11 @@ RECIPES: dict[str, dict] = {
         "gen_dtype": "bfloat16", "layers": 1, "block_size": 5, "num_target_features": 3,
         "steps": 9000, "batch_size": 4, "anchors_per_seq": 8, "lr": 1e-3, "warmup_steps": 50,
         "loss_vocab": "seen", "eval_anchors": 16, "eval_every": 1500,
+        # The shipped weights were trained on the HF pass's features. Logging them during
+        # generation (the default elsewhere) ends 1.28x sooner end to end with the HF pass's 11-21
+        # min gone (docs/results/feature_source.md); it becomes this recipe's at its next
+        # retraining, so that this command keeps reproducing the weights it shipped.
+        "features": "hf",
     },
     # The earlier small recipe (~15 min, 200 prompts x 192 greedy tokens, 1 layer, K = 7): what
     # the benchmarks' per-run starting drafters are built from (bench.cli.recipe_flags).
@@ -118,6 +124,11 @@ def add_train_parser(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--data", metavar="DIR", help="feature shards (resumable; default OUT/data)")
     g.add_argument("--max-new-tokens", type=int, help="answer length cap (default 192)")
     g.add_argument("--gen-dtype", help="vLLM dtype for generation (default bfloat16)")
+    g.add_argument("--features", choices=["hf", "vllm"],
+                   help="where the target features come from: 'vllm' = logged by this "
+                   "project's worker while vLLM generates the answers (default; no second "
+                   "pass; answers already in the generation cache still get the HF pass), "
+                   "'hf' = a second pass of the HF target over the generated answers")
     g.add_argument("--gen-cache", metavar="DIR", help="generation cache "
                    "(default $VLLM_ONLINESPEC_CACHE/generations)")
     g = t.add_argument_group("drafter")
@@ -314,7 +325,17 @@ def run_train(args: argparse.Namespace) -> int:
                           temperature=s["temperature"] or 1.0, followups=s["followups"],
                           followup_temperature=s["temperature"], seed=s["seed"])
     gen_cache = s["gen_cache"] or cache_dir() / "generations"
-    fn = vllm_generate_fn(target_path, s["gen_dtype"])
+    cfg = TrainConfig(
+        num_layers=s["layers"], block_size=s["block_size"], target_layer_ids=_layer_ids(s["target_layers"]),
+        num_target_features=s["num_target_features"], mask_token_id=mask_id, epochs=s["epochs"],
+        max_steps=s["steps"], batch_size=s["batch_size"], anchors_per_seq=s["anchors_per_seq"],
+        lr=s["lr"], warmup_steps=s["warmup_steps"], seed=s["seed"], eval_anchors=s["eval_anchors"],
+        eval_every=s["eval_every"], target_dtype=s["target_dtype"],
+        loss={"mode": s["loss_mode"], "alpha": s["alpha"], "gamma": s["gamma"],
+              "vocab": s["loss_vocab"]})
+    data_dir = Path(s["data"]) if s["data"] else out / "data"
+    log_spec = feature_log_spec(target_path, cfg, data_dir) if s["features"] == "vllm" else None
+    fn = vllm_generate_fn(target_path, s["gen_dtype"], feature_log=log_spec)
     t0 = time.perf_counter()
     try:
         train_samples, held_samples = generate_dataset(
@@ -328,17 +349,9 @@ def run_train(args: argparse.Namespace) -> int:
           f"{len(held_samples)} held-out answers ({response_tokens(held_samples)} tokens), "
           f"{gen_s:.0f} s")
 
-    cfg = TrainConfig(
-        num_layers=s["layers"], block_size=s["block_size"], target_layer_ids=_layer_ids(s["target_layers"]),
-        num_target_features=s["num_target_features"], mask_token_id=mask_id, epochs=s["epochs"],
-        max_steps=s["steps"], batch_size=s["batch_size"], anchors_per_seq=s["anchors_per_seq"],
-        lr=s["lr"], warmup_steps=s["warmup_steps"], seed=s["seed"], eval_anchors=s["eval_anchors"],
-        eval_every=s["eval_every"], target_dtype=s["target_dtype"],
-        loss={"mode": s["loss_mode"], "alpha": s["alpha"], "gamma": s["gamma"],
-              "vocab": s["loss_vocab"]})
     t0 = time.perf_counter()
-    examples = build_features(target_path, cfg, train_samples, held_samples,
-                              Path(s["data"]) if s["data"] else out / "data")
+    examples = build_features(target_path, cfg, train_samples, held_samples, data_dir,
+                              feature_log=Path(log_spec.dir) if log_spec else None)
     feat_s = time.perf_counter() - t0
     meta = {"recipe": getattr(args, "recipe", None), "settings": s, "target": target_path,
             "mask_token": tok.convert_ids_to_tokens(mask_id),
@@ -365,29 +378,63 @@ def run_train(args: argparse.Namespace) -> int:
     return 0
 
 
-def build_features(target_path: str, cfg, train_samples, held_samples, folder: Path):
-    """Feature shards for the samples (computed where missing, resumable), then the trainer's
-    Examples for exactly these samples, in their order."""
+def _drafter_config(target_path: str, cfg):
     from transformers import AutoConfig
 
     from ..drafter import DFlashConfig
-    from .dataset import featurize
+
+    tcfg = AutoConfig.from_pretrained(target_path)
+    return tcfg, DFlashConfig.for_target(
+        tcfg, mask_token_id=cfg.mask_token_id, num_layers=cfg.num_layers,
+        num_target_features=cfg.num_target_features, block_size=cfg.block_size,
+        target_layer_ids=cfg.target_layer_ids)
+
+
+def feature_log_spec(target_path: str, cfg, data_dir: Path):
+    """Where the generation engine logs features (DATA/feature_log) and the drafter it loads
+    for the layer ids: an untrained one of the run's shape (it never drafts)."""
+    import torch
+
+    from ..drafter import DFlashDrafter
+    from ..drafter.checkpoint import save_drafter
+    from .generate import FeatureLogSpec
+
+    _, dcfg = _drafter_config(target_path, cfg)
+    drafter = save_drafter(data_dir / "feature_log_drafter", dcfg, DFlashDrafter(dcfg),
+                           dtype=torch.bfloat16)
+    return FeatureLogSpec(dir=str(data_dir / "feature_log"), drafter=str(drafter))
+
+
+def build_features(target_path: str, cfg, train_samples, held_samples, folder: Path,
+                   feature_log: Path | None = None):
+    """Feature shards for the samples (computed where missing, resumable), then the trainer's
+    Examples for exactly these samples, in their order. With `feature_log` (features logged by
+    vLLM during generation), a sample found there takes those features; the rest get the HF
+    pass."""
+    from .dataset import featurize, from_feature_log
     from .generate import model_fingerprint
     from .shards import ShardHeader, ShardWriter, load_rows, target_fingerprint
     from .trainer import Example, load_target
 
-    tcfg = AutoConfig.from_pretrained(target_path)
-    layer_ids = DFlashConfig.for_target(
-        tcfg, mask_token_id=cfg.mask_token_id, num_layers=cfg.num_layers,
-        num_target_features=cfg.num_target_features, block_size=cfg.block_size,
-        target_layer_ids=cfg.target_layer_ids).target_layer_ids
+    tcfg, dcfg = _drafter_config(target_path, cfg)
+    layer_ids = dcfg.target_layer_ids
     header = ShardHeader(target=target_fingerprint(model_fingerprint(target_path)),
                          layer_ids=tuple(layer_ids), hidden_size=int(tcfg.hidden_size),
                          feature_dtype=cfg.feature_dtype)
+    logged = None
+    if feature_log is not None and feature_log.is_dir():
+        from .feature_log import read_feature_log
+
+        logged = read_feature_log(feature_log, list(layer_ids), int(tcfg.hidden_size))
+        print(f"feature log: {len(logged.sequences)} sequences from {logged.files} files in "
+              f"{feature_log} ({logged.dropped} of {logged.requests} requests incomplete)")
     target = None
     out = []
     for name, samples in (("train", train_samples), ("heldout", held_samples)):
         writer = ShardWriter(folder / name, header)
+        if logged is not None:
+            n = from_feature_log(samples, logged, writer)
+            print(f"features {name}: {n} sequences from the vLLM feature log")
         if any(x.key not in writer.done for x in samples):
             if target is None:
                 target = load_target(target_path, cfg.target_dtype)

@@ -161,3 +161,28 @@ def featurize(target, samples: Sequence[Sample], layer_ids: Sequence[int], write
         bar.update(sum(len(x.ids) for x in part))
     bar.close()
     writer.flush()
+
+
+def from_feature_log(samples: Sequence[Sample], logged, writer) -> int:
+    """Write the samples the vLLM feature log holds (training/feature_log.py) into `writer`;
+    the number written. vLLM never computes the last sampled token, so a sample's row is its
+    ids without the last token (whose features nothing in training reads: a block needs the
+    target's distribution after each of its positions)."""
+    import torch
+
+    from .feature_log import ids_key
+    from .shards import FeatureRow
+
+    fdtype = getattr(torch, writer.manifest.header.feature_dtype)
+    n = 0
+    for x in samples:
+        if x.key in writer.done or len(x.ids) - 1 <= x.start:
+            continue
+        seq = logged.sequences.get(ids_key(x.ids[:-1]))
+        if seq is None:
+            continue
+        writer.add(FeatureRow(key=x.key, ids=seq.ids, start=x.start, aux=seq.aux.to(fdtype),
+                              final=seq.final.to(fdtype)))
+        n += 1
+    writer.flush()
+    return n

@@ -111,9 +111,38 @@ def _read_cache(path: Path) -> dict[str, list[list[int]]]:
 GEN_KV_CACHE_BYTES = 3 << 30
 
 
-def vllm_generate_fn(model_path: str, dtype: str = "bfloat16", **engine_overrides) -> GenerateFn:
-    """A GenerateFn backed by one lazily created vLLM engine (call from a main: workers spawn)."""
+@dataclass(frozen=True)
+class FeatureLogSpec:
+    """Log the target features of every generated token while generating (training/
+    feature_log.py): vLLM runs this project's worker with `drafter`, a DFlash checkpoint whose
+    target_layer_ids name the layers to keep (its weights do not matter: it never drafts)."""
+
+    dir: str
+    drafter: str
+
+
+def feature_log_engine_kwargs(spec: FeatureLogSpec) -> dict:
+    """LLM(...) keyword arguments of a plain-decoding engine that logs features."""
+    from ..drafter.config import DFlashConfig
+
+    k = DFlashConfig.from_hf_dict(json.loads((Path(spec.drafter) / "config.json").read_text())
+                                  ).block_size - 1
+    return {"speculative_config": {"method": "dflash", "model": spec.drafter,
+                                   "num_speculative_tokens": k},
+            "additional_config": {"onlinespec": {
+                "enabled": False, "features": {"dir": spec.dir, "plain": True}}},
+            # A prefix-cache hit is never computed, so its rows would be missing from the log.
+            "enable_prefix_caching": False}
+
+
+def vllm_generate_fn(model_path: str, dtype: str = "bfloat16",
+                     feature_log: FeatureLogSpec | None = None, **engine_overrides) -> GenerateFn:
+    """A GenerateFn backed by one lazily created vLLM engine (call from a main: workers spawn).
+    With `feature_log`, the engine also writes every generated sequence's target features
+    there (flushed after each call)."""
     state: dict = {}
+    if feature_log is not None:
+        engine_overrides = {**feature_log_engine_kwargs(feature_log), **engine_overrides}
 
     def fn(prompt_ids: list[list[int]], spec: SamplingSpec) -> list[list[list[int]]]:
         from vllm import LLM, SamplingParams
@@ -135,6 +164,8 @@ def vllm_generate_fn(model_path: str, dtype: str = "bfloat16", **engine_override
             for ids in prompt_ids]
         outs = state["llm"].generate([TokensPrompt(prompt_token_ids=ids) for ids in prompt_ids],
                                      params, use_tqdm=True)
+        if feature_log is not None:
+            state["llm"].collective_rpc("onlinespec_flush_features")
         return [[list(c.token_ids) for c in o.outputs] for o in outs]
 
     def close() -> None:

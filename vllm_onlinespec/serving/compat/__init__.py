@@ -27,7 +27,8 @@ from vllm_onlinespec.serving.compat.step_view import (StepView, accepted_counts,
                                                       step_view, with_spec_tokens)
 from vllm_onlinespec.serving.compat.vllm_config import (WORKER_QUALNAME, additional_config,
                                                         draft_model_path, num_speculative_tokens,
-                                                        ours_requested, spec_method)
+                                                        ours_requested, spec_method,
+                                                        target_hidden_size)
 from vllm_onlinespec.serving.compat.workers import (base_runner_class, base_worker_class,
                                                     cpu_worker_builds, is_cpu, time_target_steps)
 
@@ -37,7 +38,7 @@ __all__ = [
     "StepView", "VLLM_VERSION", "broadcast_snapshot", "broadcast_version", "tp_group", "tp_rank", "WORKER_QUALNAME", "accepted_counts", "additional_config",
     "apply_patches", "base_runner_class", "base_worker_class", "cpu_worker_builds",
     "draft_model_path", "draft_token_ids_type", "drafter_loading", "drafter_module", "is_cpu",
-    "load_draft_weights", "num_speculative_tokens", "ours_requested", "preload_intel_openmp",
+    "load_draft_weights", "num_speculative_tokens", "target_hidden_size", "ours_requested", "preload_intel_openmp",
     "read_draft_weights", "repack_drafter_linears", "spec_method", "step_token_counts", "step_view", "with_spec_tokens", "target_embed_and_head",
     "time_target_steps", "wrap_draft_sampler", "wrap_drafter_load",
 ]

@@ -21,6 +21,10 @@ def num_speculative_tokens(vllm_config: Any) -> int:
     return int(getattr(spec, "num_speculative_tokens", 0) or 0) if spec is not None else 0
 
 
+def target_hidden_size(vllm_config: Any) -> int:
+    return int(vllm_config.model_config.get_hidden_size())
+
+
 def draft_model_path(vllm_config: Any) -> str | None:
     spec = getattr(vllm_config, "speculative_config", None)
     cfg = getattr(spec, "draft_model_config", None)
