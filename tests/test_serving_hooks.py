@@ -484,18 +484,18 @@ def test_a_shut_gate_asks_vllms_drafter_for_k0_on_a_copy(runner):
     FakeVllmRunner.propose_draft_token_ids, orig = (
         lambda self, so, *a, **k: seen.append(so) or "proposed"), FakeVllmRunner.propose_draft_token_ids
     try:
-        for shut in (True, False):
+        for k in (0, 2, 4):  # shut, fewer than K, all K
             runner._onlinespec = SimpleNamespace(
-                gate_drafting=lambda so, shut=shut: (dataclasses.replace(
-                    so, num_spec_tokens_to_schedule=0), False) if shut else (so, True),
+                gate_drafting=lambda so, k=k: (dataclasses.replace(
+                    so, num_spec_tokens_to_schedule=k), k) if k < 4 else (so, 4),
                 observe_draft_time=lambda d, s: timed.append(d))
             so = SO({"a": 1, "b": 3}, {}, 4)
             assert runner.propose_draft_token_ids(so) == "proposed"
             assert so.num_spec_tokens_to_schedule == 4  # the scheduler's object: untouched
-            assert seen[-1].num_spec_tokens_to_schedule == (0 if shut else 4)
+            assert seen[-1].num_spec_tokens_to_schedule == k
     finally:
         FakeVllmRunner.propose_draft_token_ids = orig
-    assert timed == [False, True]
+    assert timed == [0, 2, 4]  # each forward timed at the length it ran
 
 
 def test_step_token_counts_reads_requests_and_prefill():

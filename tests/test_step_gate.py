@@ -46,8 +46,8 @@ def brute_force_rates(stats, B, base, cm, t_draft, t_plain):
 def test_gate_opens_exactly_when_speculating_beats_a_plain_step(rate, b, t_draft):
     st, cm = stats_with_rate(rate), cost(b=b)
     g = StepGate(K, cm, explore_every=10**6)
-    g.timer.observe(True, t_draft)
-    g.timer.observe(False, 0.001)
+    g.timer.observe(K, t_draft)
+    g.timer.observe(0, 0.001)
     d = g.decide(st, batch_size=8, base_tokens=8)
     spec, plain = brute_force_rates(st, 8, 8, cm, t_draft, 0.001)
     # uniform lengths are a subset of budget.plan's choices: if they beat plain, so does plan
@@ -62,8 +62,8 @@ def test_the_drafters_time_can_shut_the_gate():
     st, cm = stats_with_rate(0.5), cost(a=0.05, b=1e-3)
     cheap, dear = StepGate(K, cm, explore_every=10**6), StepGate(K, cm, explore_every=10**6)
     for g, t in ((cheap, 0.0), (dear, 0.5)):
-        g.timer.observe(True, t)
-        g.timer.observe(False, 0.001)  # vLLM's K = 0 path: one query token per request
+        g.timer.observe(K, t)
+        g.timer.observe(0, 0.001)  # vLLM's K = 0 path: one query token per request
     assert cheap.decide(st, 4, 4).draft and not dear.decide(st, 4, 4).draft
 
 
@@ -158,3 +158,49 @@ def test_gate_shuts_while_the_length_head_cuts_every_draft_away():
     for _ in range(6):
         g.observe_cut(3.0)  # the head verifies again
     assert g.decide(st, 2, 2).draft
+
+
+def test_gate_picks_the_draft_length_that_pays_best():
+    """Only the first draft token is worth its verification: the gate asks vLLM for k = 1 (not
+    all K, not none), and the best k equals a brute force over k with each k's drafter time."""
+    s = AcceptanceStats(K)
+    for i in range(200):  # first token accepted half the time, later ones almost never
+        s.observe([K], [1 if i % 2 else 0])
+    cm = cost(a=0.05, b=0.01)  # a verify token costs a fifth of a step
+    g = StepGate(K, cm, explore_every=10**6)
+    for k, t in ((0, 0.002), (K, 0.012)):
+        g.timer.observe(k, t)
+    d = g.decide(s, batch_size=1, base_tokens=1)
+    p = np.cumprod(s._rates()[:K])
+    rates = [1 / (cm.predict(1) + g.timer.get(0, K))] + [
+        (1 + p[:k].sum()) / (cm.predict(1 + k) + g.timer.get(k, K)) for k in range(1, K + 1)]
+    assert d.k == int(np.argmax(rates)) == 1, (d.reason, rates)
+    assert g.short_steps == 1 and g.shut_steps == 0
+    assert "open at k=1" in d.reason
+
+
+def test_draft_timer_prices_unmeasured_lengths_by_the_query_block():
+    from vllm_onlinespec.policy.step_gate import DraftTimer
+
+    t = DraftTimer()
+    assert t.get(2, K) == 0.0  # nothing measured
+    t.observe(K, 0.010)
+    assert t.get(0, K) == pytest.approx(0.010 / (K + 1))  # one query token instead of K + 1
+    t.observe(0, 0.004)
+    assert t.get(2, K) == pytest.approx(0.004 + 2 * (0.010 - 0.004) / K)  # linear in k
+    t.observe(2, 0.005)
+    assert t.get(2, K) == 0.005  # measured wins
+
+
+def test_short_drafts_are_allocated_within_their_length():
+    """A step the gate drafted at k < K: the budget plans over those k positions only, and its
+    population statistics stay those of the K-token block (not reset)."""
+    cfg = LengthHeadConfig(policy="budget", k_min=0, gate=False)
+    c = DraftCutter(cfg, K, head=None)
+    c.policy.cost_model = cost(a=0.05, b=1e-5)  # verifying is nearly free: take every token
+    c.cut([[1, 2, 3, 4]], ["x"])  # the first cut creates the statistics
+    for _ in range(40):
+        c.policy.observe([K], [K])
+    stats = c.policy.stats
+    out = c.cut([[5, 6], [7, 8]], ["a", "b"])
+    assert out == [[5, 6], [7, 8]] and c.policy.stats is stats and stats.K == K

@@ -2,8 +2,8 @@
 
 One object per engine, driven by the serving layer at three points of a step:
 
-    plan_next(B, n)     before drafting ('budget' with its gate): speculate in the next step,
-                        or run vLLM's drafter at K = 0 (policy/step_gate.py)
+    plan_next(B, n)     before drafting ('budget' with its gate): the next step's draft length,
+                        K, fewer, or vLLM's drafter at K = 0 (policy/step_gate.py)
     observe_hidden(h)   inside vLLM's drafter, the mask rows' final hidden states [B*K, H]
     cut(drafts)         before verification: each request's draft cut to the policy's length
                         (a prefix of what was drafted: lossless)
@@ -63,7 +63,7 @@ class DraftCutter:
                                  explore_every=length_cfg.explore_every,
                                  explore_requests=length_cfg.explore_requests,
                                  min_obs=self.policy.min_obs, rho=length_cfg.rho)
-        self._next = GateDecision(True, False, "")
+        self._next = GateDecision(K, False, "")
         self._base_tokens: int | None = None
         # Real verification scores (and, with head_lr > 0, trains) the head; it is consulted
         # only once it beats the population estimate on fresh labels (policy/head_feedback.py).
@@ -106,18 +106,19 @@ class DraftCutter:
 
     # -- a step ----------------------------------------------------------------------------------
     def plan_next(self, batch_size: int, base_tokens: int | None = None) -> GateDecision:
-        """Before this step's drafter runs: whether it drafts K tokens for the next step (its
-        requests: `batch_size`; tokens besides drafts: `base_tokens`). Without a gate: always."""
+        """Before this step's drafter runs: how many tokens (0..K) it drafts for the next step
+        (its requests: `batch_size`; tokens besides drafts: `base_tokens`). Without a gate: K."""
         self._base_tokens = base_tokens
         if self.gate is None:
-            self._next = GateDecision(True, False, "")
+            self._next = GateDecision(self.K, False, "")
         else:
             self._next = self.gate.decide(self.policy.stats, batch_size, base_tokens)
         return self._next
 
-    def observe_draft_time(self, drafted: bool, seconds: float) -> None:
+    def observe_draft_time(self, k: int, seconds: float) -> None:
+        """The drafter's forward at draft length k took `seconds`."""
         if self.gate is not None:
-            self.gate.timer.observe(drafted, seconds)
+            self.gate.timer.observe(k, seconds)
 
     def observe_hidden(self, hidden: torch.Tensor) -> None:
         if self.head is not None:
@@ -146,14 +147,17 @@ class DraftCutter:
             elif self.head_in_use:
                 self.on_skip("no_draft_hidden")
         used = pred if self.head_in_use else None
-        kw = {"base_tokens": self._base_tokens} if self.policy_name == "budget" else {}
+        # The gate may have asked vLLM for k < K draft tokens: the budget allocates over those.
+        k = max(drafted)
+        kw = ({"base_tokens": self._base_tokens, "draft_len": k}
+              if self.policy_name == "budget" else {})
         lengths, reason = self.policy.lengths(used, self.K, B, **kw)
         if self.gate is not None:
             # What the policy verifies on its own, before exploration forces full drafts.
             self.gate.observe_cut(sum(lengths) / B)
             if self._next.explore:
                 n = min(self.gate.explore_requests, B)
-                lengths = [self.K] * n + list(lengths[n:])
+                lengths = [k] * n + list(lengths[n:])
         out = [d[: min(len(d), n)] for d, n in zip(drafts, lengths)]
         if self.head is not None and pred is not None and used is None:
             reason += f"; length head not used ({self.feedback.state()})"

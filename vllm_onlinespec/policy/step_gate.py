@@ -1,23 +1,27 @@
-"""The step gate: whether the next engine step speculates at all, decided before drafting.
+"""The step gate: how many tokens the next engine step drafts, decided before drafting.
 
 The budget policy cuts drafts that exist; by then the drafter's forward is paid. When no draft
 token pays for its verification (on a CPU at batch 32 a speculative step at accept length ~1
 costs ~3x a plain step), the best step is a plain one that also skips most of the drafter: the
 runner then asks vLLM's drafter for K = 0 (vLLM's dynamic-K path, llm_base_proposer.py:617: one
 query token per request, the context K/V of the step's tokens still written, so later drafts
-see no hole). The gate compares, for the next step,
+see no hole). When only the first few draft tokens pay, the same path drafts k < K: a cheaper
+forward (k + 1 query tokens per request) and nothing drafted that nobody verifies. The gate
+compares, for the next step and every k in 1..K,
 
-    speculating:  E_spec / (t(base + verified drafts) + t_draft(K))     (budget.plan's best plan)
-    plain:        B / (t(base) + t_draft(0))
+    speculating at k:  E_spec(k) / (t(base + verified drafts) + t_draft(k))  (budget.plan over
+                                                                             the first k positions)
+    plain:             B / (t(base) + t_draft(0))
 
 with the population's per-position acceptance (only verified drafts update it), the target's
-measured cost model and the drafter's measured time at K and at 0. The gate also stays shut
-while the cuts of recent drafted steps verified (almost) nothing: a trusted length head may cut
-every draft the population estimate would still verify. Exploration keeps the
-acceptance estimate current while the gate is shut: every `explore_every`-th shut step drafts
-anyway and the cutter verifies the full draft of up to `explore_requests` requests. Its cost
-is bounded: at most one drafted step in `explore_every`, at most explore_requests * K verify
-tokens in it. Core module: no vLLM import.
+measured cost model and the drafter's measured time per k, and takes the best. The gate also
+stays shut while the cuts of recent drafted steps verified (almost) nothing: a trusted length
+head may cut every draft the population estimate would still verify. Exploration keeps the
+acceptance estimate current while the gate drafts fewer than K (or none): every
+`explore_every`-th such step drafts all K and the cutter verifies the full draft of up to
+`explore_requests` requests. Its cost is bounded: at most one step in `explore_every` drafts at
+K when the gate would not, with at most explore_requests * K verify tokens in it.
+Core module: no vLLM import.
 """
 
 from __future__ import annotations
@@ -35,30 +39,41 @@ MIN_VERIFY_PER_REQUEST = 0.05  # below this the cuts verify (almost) nothing: dr
 
 @dataclass(frozen=True)
 class GateDecision:
-    draft: bool  # draft K tokens for the next step (else K = 0)
+    k: int  # draft tokens per request the next step asks vLLM's drafter for (0 = none)
     explore: bool  # drafted only to refresh the acceptance estimate
     reason: str
 
+    @property
+    def draft(self) -> bool:
+        return self.k > 0
+
 
 class DraftTimer:
-    """Exponential moving average of the drafter's time per step, at K and at K = 0."""
+    """Exponential moving average of the drafter's time per step, per draft length k."""
 
     def __init__(self, half_life_steps: float = 32.0) -> None:
         self.decay = 0.5 ** (1.0 / half_life_steps)
-        self.ema: dict[bool, float | None] = {True: None, False: None}
+        self.ema: dict[int, float] = {}
 
-    def observe(self, drafted: bool, seconds: float) -> None:
-        old = self.ema[drafted]
-        self.ema[drafted] = seconds if old is None else self.decay * old + (1 - self.decay) * seconds
+    def observe(self, k: int, seconds: float) -> None:
+        old = self.ema.get(k)
+        self.ema[k] = seconds if old is None else self.decay * old + (1 - self.decay) * seconds
 
-    def get(self, drafted: bool, K: int) -> float:
-        """Seconds. Unmeasured: a K = 0 forward is priced at 1 / (K + 1) of a K one (one query
-        token per request instead of K + 1, the context K/V the same), so the gate tries the
-        plain path once and measures it; an unmeasured K forward at 0."""
-        v = self.ema[drafted]
-        if v is None and not drafted and self.ema[True] is not None:
-            v = self.ema[True] / (K + 1)
-        return 0.0 if v is None else v
+    def get(self, k: int, K: int) -> float:
+        """Seconds for a forward at draft length k. Unmeasured lengths are priced by the query
+        block, k + 1 tokens per request (the context K/V is the same at every k): linear
+        between the shortest and longest lengths measured, or proportional to k + 1 from the
+        one measured, so the gate tries a cheaper length once and then measures it. Nothing
+        measured: 0."""
+        if k in self.ema:
+            return self.ema[k]
+        if not self.ema:
+            return 0.0
+        lo, hi = min(self.ema), max(self.ema)
+        if lo == hi:
+            return self.ema[lo] * (k + 1) / (lo + 1)
+        slope = (self.ema[hi] - self.ema[lo]) / (hi - lo)
+        return max(0.0, self.ema[lo] + slope * (k - lo))
 
 
 class StepGate:
@@ -75,8 +90,8 @@ class StepGate:
         # stops moving and would keep the gate open for drafts nobody verifies.
         self.verify_ema: float | None = None
         self.shut_streak = 0  # consecutive steps the gate kept shut
-        self.steps = self.shut_steps = self.explore_steps = 0
-        self.last = GateDecision(True, False, "gate: no decision yet")
+        self.steps = self.shut_steps = self.explore_steps = self.short_steps = 0
+        self.last = GateDecision(K, False, "gate: no decision yet")
 
     def decide(self, stats: AcceptanceStats | None, batch_size: int,
                base_tokens: int | None = None) -> GateDecision:
@@ -86,33 +101,47 @@ class StepGate:
         B = batch_size
         base = B if base_tokens is None else max(B, int(base_tokens))
         if B == 0:
-            return self._set(GateDecision(True, False, "gate: empty batch"))
+            return self._set(GateDecision(self.K, False, "gate: empty batch"))
         if stats is None or stats.n_obs < self.min_obs:
             n = 0 if stats is None else stats.n_obs
-            return self._set(GateDecision(True, False, f"gate: open, learning acceptance "
-                                                       f"({n}/{self.min_obs} requests seen)"))
+            return self._set(GateDecision(self.K, False, f"gate: open, learning acceptance "
+                                                         f"({n}/{self.min_obs} requests seen)"))
         p = np.broadcast_to(stats._rates()[None, : self.K], (B, self.K))
-        a = plan(p, base, self.cost_model, k_min=0, K=self.K, cost_scale=1.0 / self.rho)
-        t_draft, t_plain_draft = self.timer.get(True, self.K), self.timer.get(False, self.K)
-        rate_spec = a.expected_tokens / (a.step_s + t_draft) if a.tokens else 0.0
-        rate_plain = B / (a.min_step_s + t_plain_draft)
-        numbers = (f"spec {rate_spec:.0f} tok/s ({a.tokens} verify tokens, drafter "
-                   f"{t_draft * 1e3:.1f} ms) vs plain {rate_plain:.0f} tok/s (drafter at K=0 "
-                   f"{t_plain_draft * 1e3:.1f} ms)")
+        # The best draft length: DFlash drafts one block shape per batch, so k is the batch's;
+        # each k's verify plan is the budget's exact allocation over the first k positions.
+        best_k, rate_spec, best, floor_s = 0, 0.0, None, 0.0
+        for k in range(1, self.K + 1):
+            a = plan(p[:, :k], base, self.cost_model, k_min=0, K=k, cost_scale=1.0 / self.rho)
+            floor_s = a.min_step_s  # the step with no draft verified: the same for every k
+            rate = a.expected_tokens / (a.step_s + self.timer.get(k, self.K)) if a.tokens else 0.0
+            if rate > rate_spec:
+                best_k, rate_spec, best = k, rate, a
+        t_plain_draft = self.timer.get(0, self.K)
+        rate_plain = B / (floor_s + t_plain_draft)
+        numbers = (f"spec {rate_spec:.0f} tok/s at k={best_k} ("
+                   f"{best.tokens if best else 0} verify tokens, drafter "
+                   f"{self.timer.get(best_k, self.K) * 1e3:.1f} ms) vs plain {rate_plain:.0f} "
+                   f"tok/s (drafter at k=0 {t_plain_draft * 1e3:.1f} ms)")
         cut_away = self.verify_ema is not None and self.verify_ema < MIN_VERIFY_PER_REQUEST
         if cut_away:
             numbers = (f"the length head cut recent drafts to {self.verify_ema:.2f} verify "
                        f"tokens per request; {numbers}")
-        if rate_spec > rate_plain and not cut_away:
+        open_ = rate_spec > rate_plain and not cut_away
+        if open_ and best_k == self.K:
             self.shut_streak = 0
-            return self._set(GateDecision(True, False, f"gate: open, {numbers}"))
+            return self._set(GateDecision(self.K, False, f"gate: open, {numbers}"))
+        # Shut, or drafting fewer than K: the estimate of the later positions only moves when
+        # they are verified, so every explore_every-th such step drafts and verifies all K.
         self.shut_streak += 1
         if self.shut_streak % self.explore_every == 0:
             self.explore_steps += 1
-            return self._set(GateDecision(True, True, f"gate: explore (1 step in "
-                                                      f"{self.explore_every}), {numbers}"))
+            return self._set(GateDecision(self.K, True, f"gate: explore (1 step in "
+                                                        f"{self.explore_every}), {numbers}"))
+        if open_:
+            self.short_steps += 1
+            return self._set(GateDecision(best_k, False, f"gate: open at k={best_k}, {numbers}"))
         self.shut_steps += 1
-        return self._set(GateDecision(False, False, f"gate: shut, {numbers}"))
+        return self._set(GateDecision(0, False, f"gate: shut, {numbers}"))
 
     def observe_cut(self, verify_per_request: float) -> None:
         """After a drafted step's cut: the verify tokens per request the policy chose on its
@@ -125,6 +154,7 @@ class StepGate:
         return d
 
     def describe(self) -> str:
-        return (f"step gate: drafts only when a step's best plan beats a plain step with the "
-                f"drafter's measured time counted; shut -> K=0 drafter forward; explores 1 step "
-                f"in {self.explore_every} ({self.explore_requests} requests' full drafts)")
+        return (f"step gate: drafts k <= {self.K} tokens, the length whose best plan beats a "
+                f"plain step by most with the drafter's measured time at that k counted; shut "
+                f"-> k=0 drafter forward; explores 1 step in {self.explore_every} of those below "
+                f"K ({self.explore_requests} requests' full drafts)")

@@ -295,10 +295,13 @@ class BudgetPolicy(_Base):
         self.cost_model, self.rho = cost_model, rho
 
     def lengths(self, pred_r: Pred, K: int, batch_size: int, *, base_tokens: int | None = None,
-                p_accept: Tensor | None = None, **kw: Any) -> tuple[list[int], str]:
+                p_accept: Tensor | None = None, draft_len: int | None = None,
+                **kw: Any) -> tuple[list[int], str]:
         """base_tokens: tokens the next step has besides drafts (default batch_size, one per
         request; add scheduled prefill tokens when known). p_accept [B, K]: per-position
-        conditional acceptance if a per-position head provides it; rows with NaN fall back."""
+        conditional acceptance if a per-position head provides it; rows with NaN fall back.
+        draft_len: the drafts hold only this many of the K tokens (the step gate asked vLLM
+        for fewer): positions past it gain nothing."""
         B = batch_size
         if B == 0:
             return [], "budget: empty batch"
@@ -317,6 +320,9 @@ class BudgetPolicy(_Base):
         if rest.any():  # population rows; full rows also need an estimate of what they yield
             p[rest] = stats._rates()[None, :K]
         k_min = np.where(src == FULL, K, min(self.k_min, K))
+        if draft_len is not None and draft_len < K:
+            p[:, draft_len:] = 0.0
+            k_min = np.minimum(k_min, draft_len)
         a = plan(p, B if base_tokens is None else base_tokens, self.cost_model, k_min=k_min, K=K,
                  cost_scale=1.0 / self.rho)
         ms = 1e3

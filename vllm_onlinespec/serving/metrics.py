@@ -47,6 +47,7 @@ METRICS: dict[str, tuple[str, Callable[[OnlineSpecStats], Any], str]] = {
     "onlinespec:draft_tokens": ("counter", lambda s: s.cutter.drafted, "draft tokens proposed before the verify-length cut"),
     "onlinespec:gate_shut_steps": ("counter", lambda s: s.cutter.gate_shut_steps, "steps the budget's gate ran vLLM's drafter at K = 0 (speculation would not pay)"),
     "onlinespec:gate_explore_steps": ("counter", lambda s: s.cutter.gate_explore_steps, "steps drafted only to keep the acceptance estimate current"),
+    "onlinespec:gate_short_steps": ("counter", lambda s: s.cutter.gate_short_steps, "steps the budget's gate drafted fewer than K tokens (only those paid)"),
 }
 
 

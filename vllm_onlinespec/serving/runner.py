@@ -3,7 +3,7 @@
   load_model        drafter loads with plain weights (republishable); the online session starts
   execute_model     timed (step profile, the budget's step cost)
   _sample           remembers the rejection sampler's output (accepted lengths); the oracle
-  propose_draft_token_ids   the budget's step gate (draft K, or vLLM's K = 0 drafter path); timed
+  propose_draft_token_ids   the budget's step gate (draft K, fewer, or vLLM's K = 0 drafter path); timed
   sample_tokens     before: a view of the target step; after: feedback -> buffer, then publish
   take_draft_token_ids   the verify-length policy cuts each request's draft
 
@@ -96,13 +96,13 @@ class OnlineSpecRunnerMixin:
     def propose_draft_token_ids(self, *args, **kwargs):
         # vLLM calls it with scheduler_output first (gpu_model_runner.py:4365), positionally.
         self._onlinespec_init()
-        guard, session, drafted = self._onlinespec_guard, self._onlinespec, True
+        guard, session, k = self._onlinespec_guard, self._onlinespec, None
         if session is not None and args:
             gated = None
             with guard(G.GATE), self._onlinespec_profile.ours(inside_sample_tokens=True):
                 gated = session.gate_drafting(args[0])
-            if gated is not None:  # the budget's gate may ask vLLM's drafter for K = 0
-                args, drafted = (gated[0], *args[1:]), gated[1]
+            if gated is not None:  # the budget's gate may ask vLLM's drafter for k < K tokens
+                args, k = (gated[0], *args[1:]), gated[1]
         t0 = time.perf_counter()
         span = None
         with guard(G.PROPOSE):
@@ -114,7 +114,7 @@ class OnlineSpecRunnerMixin:
                 self._onlinespec_profile.draft_s += time.perf_counter() - t0
                 if session is not None and span is not None:
                     self._onlinespec_timer.stop(
-                        span, lambda sec: session.observe_draft_time(drafted, sec))
+                        span, lambda sec: session.observe_draft_time(k, sec))
 
     def sample_tokens(self, grammar_output):
         self._onlinespec_init()

@@ -15,6 +15,7 @@ guard, so a stage that fails every step still leaves the others working.
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 from typing import Any
@@ -42,6 +43,8 @@ __all__ = ["OnlineSession", "config_from_vllm"]  # config_from_vllm: old import 
 
 
 class OnlineSession:
+    feature_log = None  # training/feature_log.FeatureLogWriter when `features.dir` is set
+
     def __init__(self, runner: Any, cfg: OnlineSpecConfig, guard: HookGuard | None = None) -> None:
         self.cfg = cfg
         self.runner = runner
@@ -54,6 +57,7 @@ class OnlineSession:
         self._tp_shared = 0  # the newest version broadcast to every rank
         self.publisher = Publisher(runner, repack=cfg.publish.repack and cfg.enabled)
         self.tracer = DraftTracer.maybe(cfg, runner, self.guard) if self.leader else None
+        self.feature_log = self._feature_log(runner) if self.leader else None
         self.metrics = MetricsWriter()
         self.oracle = None
         if cfg.oracle.accept_len is not None:
@@ -97,9 +101,24 @@ class OnlineSession:
         """A learner, a tracer, or a verify policy that keeps acceptance statistics (every
         policy but 'fixed', learning on or off) needs each step's verification."""
         return (self.learner is not None or self.tracer is not None
-                or self.cutter.policy_name != "fixed")
+                or self.feature_log is not None or self.cutter.policy_name != "fixed")
 
     # -- set-up ---------------------------------------------------------------------------------
+    def _feature_log(self, runner: Any):
+        """The served tokens' features, logged for offline training (config `features`)."""
+        fcfg = self.cfg.features
+        if not fcfg.dir:
+            return None
+        from vllm_onlinespec.drafter.config import DFlashConfig
+        from vllm_onlinespec.training.feature_log import FeatureLogWriter
+
+        dcfg = DFlashConfig.from_hf_dict(
+            json.loads((drafter_dir(runner.vllm_config, self.cfg) / "config.json").read_text()))
+        hidden = compat.target_hidden_size(runner.vllm_config)
+        logger.info("onlinespec: logging target features (layers %s) to %s",
+                    dcfg.target_layer_ids, fcfg.dir)
+        return FeatureLogWriter(fcfg.dir, list(dcfg.target_layer_ids), hidden, fcfg.flush_tokens)
+
     def _build(self, runner: Any, drafter_path: str) -> tuple[nn.Module | None, bool]:
         """Build the learner (learning on) and pick the length head the cutter predicts with:
         (head, trusted). Policy 'fixed' uses no head, so none is trained for it;
@@ -197,20 +216,26 @@ class OnlineSession:
             self.guard.skip(G.NO_STEP_VIEW)
         return view
 
-    def gate_drafting(self, scheduler_output: Any) -> tuple[Any, bool] | None:
-        """Before this step's drafter runs ('budget' only): tell the policy the next step's
-        batch and scheduled tokens besides drafts, and, where its gate says a speculative step
-        would not pay, hand vLLM a copy of the scheduler output asking for K = 0 (vLLM's own
-        dynamic-K path: context K/V still written, no draft). None: leave the step alone."""
+    def gate_drafting(self, scheduler_output: Any) -> tuple[Any, int] | None:
+        """Before this step's drafter runs: (the scheduler output vLLM's drafter should see,
+        the draft length k it asks for), or None to leave the step alone (K). A plain-decoding
+        feature-log engine always asks for k = 0. The budget's gate tells the policy the next
+        step's batch and scheduled tokens besides drafts and picks k in 0..K: where drafting
+        fewer than K (or none) pays better, vLLM gets a copy of the scheduler output asking for
+        k (vLLM's own dynamic-K path: for k = 0 the context K/V is still written, no draft)."""
+        if self.cfg.features.plain:  # a data-generation engine: plain decoding, features logged
+            return compat.with_spec_tokens(scheduler_output, 0), 0
         if self.cutter.policy_name != "budget":
             return None
         B, base = compat.step_token_counts(scheduler_output)
-        if self.cutter.plan_next(B, base).draft:
-            return scheduler_output, True
-        return compat.with_spec_tokens(scheduler_output, 0), False
+        k = self.cutter.plan_next(B, base).k
+        if k >= self.K:
+            return scheduler_output, self.K
+        return compat.with_spec_tokens(scheduler_output, k), k
 
-    def observe_draft_time(self, drafted: bool, seconds: float) -> None:
-        self.cutter.observe_draft_time(drafted, seconds)
+    def observe_draft_time(self, k: int | None, seconds: float) -> None:
+        """vLLM's drafter forward at draft length k (None: K) took `seconds`."""
+        self.cutter.observe_draft_time(self.K if k is None else k, seconds)
 
     def observe_draft_hidden(self, hidden: torch.Tensor) -> None:
         """Called inside vLLM's drafter, right before it samples: must never raise."""
@@ -241,10 +266,15 @@ class OnlineSession:
         self.cutter.forget(view.finished_req_ids)
         if self.tracer is not None:
             self.tracer.record(view, accepted, sampled)
-        if self.buffer is not None:
-            with torch.inference_mode(False):
+        if self.buffer is not None or self.feature_log is not None:
+            with torch.inference_mode(False):  # the learner trains on these: no inference tensors
                 for rec in records_from_step(view, accepted, drafted_by):
-                    self.buffer.push(rec)
+                    if self.feature_log is not None:
+                        self.feature_log.add(rec.req_id, rec.start_pos, rec.token_ids, rec.aux,
+                                             rec.target_hidden)
+                    if self.buffer is not None:
+                        self.buffer.push(rec)
+        if self.buffer is not None:
             for rid in view.finished_req_ids:
                 self.buffer.finish(rid)
             self.learner.notify()
@@ -305,7 +335,8 @@ class OnlineSession:
                                head_feedback_updates=c.feedback.updates,
                                gate_steps=c.gate.steps if c.gate else 0,
                                gate_shut_steps=c.gate.shut_steps if c.gate else 0,
-                               gate_explore_steps=c.gate.explore_steps if c.gate else 0))
+                               gate_explore_steps=c.gate.explore_steps if c.gate else 0,
+                               gate_short_steps=c.gate.short_steps if c.gate else 0))
         if self.learner is not None:
             out.learner = LearnerStats.from_learner(self.learner.stats())
             out.buffer = BufferStats(**self.buffer.stats())
@@ -327,7 +358,19 @@ class OnlineSession:
                 "verify_policy": self.cfg.length_head.policy, "K": str(self.K),
                 "length_head": self.cutter.head_state}
 
+    def flush_features(self) -> int:
+        """Write the feature log's pending rows now; the rows logged so far (0 when off)."""
+        if self.feature_log is None:
+            return 0
+        self.feature_log.flush()
+        return self.feature_log.rows_written
+
     def close(self) -> None:
+        if self.feature_log is not None:
+            try:
+                self.feature_log.close()
+            except Exception as e:  # noqa: BLE001 - shutting down: say so, never raise
+                logger.warning("onlinespec: feature log flush at shutdown failed: %s", e)
         if self.learner is not None:
             self.learner.stop()
             if self.cfg.checkpoint.dir:

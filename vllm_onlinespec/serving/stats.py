@@ -103,6 +103,7 @@ class CutterStats:
     gate_steps: int = 0  # steps the budget's gate decided (0: no gate)
     gate_shut_steps: int = 0  # ... of which drafted at K = 0 (nothing verified next step)
     gate_explore_steps: int = 0  # ... of which drafted only to explore
+    gate_short_steps: int = 0  # ... of which drafted 0 < k < K tokens (only those paid)
 
 
 @dataclass
