@@ -25,7 +25,7 @@ from pathlib import Path
 def run_source(source: str, target: str, prompts, tok, out: Path, max_tokens: int, cfg) -> dict:
     import torch
 
-    from vllm_onlinespec.training.cli import _drafter_config, feature_log_spec
+    from vllm_onlinespec.training.cli import drafter_config, feature_log_spec
     from vllm_onlinespec.training.dataset import featurize, from_feature_log
     from vllm_onlinespec.training.feature_log import read_feature_log
     from vllm_onlinespec.training.generate import (SamplingSpec, generate, model_fingerprint,
@@ -34,7 +34,7 @@ def run_source(source: str, target: str, prompts, tok, out: Path, max_tokens: in
     from vllm_onlinespec.training.trainer import load_target
 
     shutil.rmtree(out, ignore_errors=True)
-    tcfg, dcfg = _drafter_config(target, cfg)
+    tcfg, dcfg = drafter_config(target, cfg)
     layers = list(dcfg.target_layer_ids)
     header = ShardHeader(target=target_fingerprint(model_fingerprint(target)),
                          layer_ids=tuple(layers), hidden_size=int(tcfg.hidden_size))

@@ -20,7 +20,6 @@ Every learning arm starts from the same drafter weights and uses the same online
 from __future__ import annotations
 
 import copy
-import json
 import shutil
 from pathlib import Path
 
@@ -45,10 +44,9 @@ DEFAULT_ONLINE: dict = {
 def drafter_k(drafter: str | Path) -> int:
     """num_speculative_tokens for a drafter folder: its block_size - 1 (DFlash blocks include
     the last committed token)."""
-    from vllm_onlinespec.drafter.config import DFlashConfig
+    from vllm_onlinespec.drafter.checkpoint import load_drafter_config
 
-    cfg = json.loads((Path(drafter) / "config.json").read_text())
-    return DFlashConfig.from_hf_dict(cfg).block_size - 1
+    return load_drafter_config(drafter).num_draft_tokens
 
 
 def known_arm(name: str) -> bool:

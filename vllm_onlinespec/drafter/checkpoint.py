@@ -107,10 +107,8 @@ def _read_safetensors(path: Path) -> dict[str, Tensor]:
         raise ValueError(f"{path}: unreadable safetensors file ({e})") from None
 
 
-def load_drafter(path: str | os.PathLike, device: str | torch.device = "cpu",
-                 dtype: torch.dtype | None = None) -> tuple[DFlashConfig, DFlashDrafter, LengthHead | None]:
-    """Load our checkpoints and public z-lab DFlash ones (sharded or not). dtype defaults to the
-    checkpoint's torch_dtype."""
+def load_drafter_config(path: str | os.PathLike) -> DFlashConfig:
+    """A drafter folder's config.json (ours or a public z-lab one), without its weights."""
     src = Path(path)
     if not src.is_dir():
         raise FileNotFoundError(f"{src}: no such drafter checkpoint folder")
@@ -122,7 +120,15 @@ def load_drafter(path: str | os.PathLike, device: str | torch.device = "cpu",
         raise ValueError(f"{src / CONFIG}: invalid JSON ({e})") from None
     if not isinstance(raw, dict):
         raise ValueError(f"{src / CONFIG}: expected a JSON object")
-    config = DFlashConfig.from_hf_dict(raw)
+    return DFlashConfig.from_hf_dict(raw)
+
+
+def load_drafter(path: str | os.PathLike, device: str | torch.device = "cpu",
+                 dtype: torch.dtype | None = None) -> tuple[DFlashConfig, DFlashDrafter, LengthHead | None]:
+    """Load our checkpoints and public z-lab DFlash ones (sharded or not). dtype defaults to the
+    checkpoint's torch_dtype."""
+    src = Path(path)
+    config = load_drafter_config(src)
 
     files = [WEIGHTS]
     if (src / INDEX).is_file():

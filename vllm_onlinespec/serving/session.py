@@ -15,7 +15,6 @@ guard, so a stage that fails every step still leaves the others working.
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 from typing import Any
@@ -109,11 +108,10 @@ class OnlineSession:
         fcfg = self.cfg.features
         if not fcfg.dir:
             return None
-        from vllm_onlinespec.drafter.config import DFlashConfig
+        from vllm_onlinespec.drafter.checkpoint import load_drafter_config
         from vllm_onlinespec.training.feature_log import FeatureLogWriter
 
-        dcfg = DFlashConfig.from_hf_dict(
-            json.loads((drafter_dir(runner.vllm_config, self.cfg) / "config.json").read_text()))
+        dcfg = load_drafter_config(drafter_dir(runner.vllm_config, self.cfg))
         hidden = compat.target_hidden_size(runner.vllm_config)
         logger.info("onlinespec: logging target features (layers %s) to %s",
                     dcfg.target_layer_ids, fcfg.dir)

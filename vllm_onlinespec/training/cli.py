@@ -378,7 +378,8 @@ def run_train(args: argparse.Namespace) -> int:
     return 0
 
 
-def _drafter_config(target_path: str, cfg):
+def drafter_config(target_path: str, cfg):
+    """(the target's HF config, the DFlashConfig a TrainConfig gives for it)."""
     from transformers import AutoConfig
 
     from ..drafter import DFlashConfig
@@ -399,7 +400,7 @@ def feature_log_spec(target_path: str, cfg, data_dir: Path):
     from ..drafter.checkpoint import save_drafter
     from .generate import FeatureLogSpec
 
-    _, dcfg = _drafter_config(target_path, cfg)
+    _, dcfg = drafter_config(target_path, cfg)
     drafter = save_drafter(data_dir / "feature_log_drafter", dcfg, DFlashDrafter(dcfg),
                            dtype=torch.bfloat16)
     return FeatureLogSpec(dir=str(data_dir / "feature_log"), drafter=str(drafter))
@@ -416,7 +417,7 @@ def build_features(target_path: str, cfg, train_samples, held_samples, folder: P
     from .shards import ShardHeader, ShardWriter, load_rows, target_fingerprint
     from .trainer import Example, load_target
 
-    tcfg, dcfg = _drafter_config(target_path, cfg)
+    tcfg, dcfg = drafter_config(target_path, cfg)
     layer_ids = dcfg.target_layer_ids
     header = ShardHeader(target=target_fingerprint(model_fingerprint(target_path)),
                          layer_ids=tuple(layer_ids), hidden_size=int(tcfg.hidden_size),

@@ -123,10 +123,9 @@ class FeatureLogSpec:
 
 def feature_log_engine_kwargs(spec: FeatureLogSpec) -> dict:
     """LLM(...) keyword arguments of a plain-decoding engine that logs features."""
-    from ..drafter.config import DFlashConfig
+    from ..drafter.checkpoint import load_drafter_config
 
-    k = DFlashConfig.from_hf_dict(json.loads((Path(spec.drafter) / "config.json").read_text())
-                                  ).block_size - 1
+    k = load_drafter_config(spec.drafter).num_draft_tokens
     return {"speculative_config": {"method": "dflash", "model": spec.drafter,
                                    "num_speculative_tokens": k},
             "additional_config": {"onlinespec": {
