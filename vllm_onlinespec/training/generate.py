@@ -109,6 +109,10 @@ def _read_cache(path: Path) -> dict[str, list[list[int]]]:
 # KV cache of the generation engine: engine_kwargs' 1 GiB (~23k tokens) holds fewer sequences
 # than a batch of 256 prompts x (prompt + 192 new tokens) and throttles the batch.
 GEN_KV_CACHE_BYTES = 3 << 30
+# Sequences in flight at once: 128 x (512 prompt + 256 new tokens) fit those 135 k KV tokens,
+# so no sequence is preempted and recomputed (prefix caching is off while features are
+# logged); a round of 96 prompts x 3 sampled answers is 288 sequences.
+GEN_MAX_NUM_SEQS = 128
 
 
 @dataclass(frozen=True)
@@ -152,6 +156,7 @@ def vllm_generate_fn(model_path: str, dtype: str = "bfloat16",
         if "llm" not in state:
             if is_cpu():
                 engine_overrides.setdefault("kv_cache_memory_bytes", GEN_KV_CACHE_BYTES)
+                engine_overrides.setdefault("max_num_seqs", GEN_MAX_NUM_SEQS)
             # vLLM-CPU keeps one core for its front end by default; generation is batch work
             # with an idle front end, and both cores gave 1.7x the tokens/s on a 2-core box.
             os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
