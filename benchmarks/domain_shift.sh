@@ -1,23 +1,61 @@
 #!/usr/bin/env bash
-# Domain-shift benchmark (issue 4): a drafter trained offline on some Spec-Bench categories serves
-# another; frozen vs ogd vs optimistic vs ensemble from the same start weights, on the same stream.
-# Every prompt is served once, and measured before the learner has seen it.
+# Domain-shift benchmark (issue 14), continuous serving, everything counted: the shipped drafter
+# (Spec-Bench without math_reasoning + HumanEval) serves
+#   tune     40 math word problems, online-ogd at each lr of LRS + frozen: settings are chosen here
+#   shifted  the OTHER 40 math word problems (never tuned on): the reported shifted domain
+#   own      the drafter's held-out prompts of its own domain (no harm?)
+#   aba      own half -> shifted -> other own half (forgetting: the return to A)
+# Arms nospec, frozen, online-ogd, online-optimistic, online-ensemble, one engine at a time, all arms
+# on the same stream in one run, SEEDS stream orders (aba: one file per order); 4 clients in a
+# closed loop, the learner beside serving, no pauses, windows of 20 s (bench/engine_loop.py).
 #
-#   benchmarks/domain_shift.sh [PATH/TO/question.jsonl] [OUT_DIR] [extra `vllm-onlinespec bench` flags]
+#   benchmarks/domain_shift.sh [SPEC_BENCH] [OUT] [SCENARIO ...]      (default: all four)
+#   LR=1e-3 benchmarks/domain_shift.sh ... shifted own aba            (skip tuning, use this lr)
 #
-# Train side: qa + translation (short factual answers, German -> English), with the demo's small
-# recipe (32 prompts, 2 epochs, K = 4). Serve side: math_reasoning (GSM8K-style word problems),
-# 40 prompts in waves of 4, 80 tokens, an 8 s pause per wave for the learner (not counted as
-# serving time). `shadow` runs the learner without publishing: shadow vs frozen is the learner's
-# cost to serving at the same weights. ~35 min on the 2-core CPU box.
-# Output: OUT_DIR/report.{md,json}, acceptance*.png, throughput.png, checkpoints/<arm>/.
+# Output: OUT/<scenario>/[seed-S/]report.{md,json} + windows; then
+#   python benchmarks/domain_shift_report.py --run OUT --out docs/results
+# ~12 min per scenario and seed on the 2-core CPU box (5 arms x 40 prompts x 96 tokens).
 set -euo pipefail
 ROOT="$(cd "$(dirname "$0")/.." && pwd)"
 SPEC_BENCH=${1:-$ROOT/../shared/data/spec_bench/question.jsonl}
 OUT=${2:-$ROOT/runs/domain_shift}
 shift $(( $# > 2 ? 2 : $# )) || true
-exec "${CLI:-vllm-onlinespec}" bench --spec-bench "$SPEC_BENCH" \
-  --train-categories qa,translation --serve-categories math_reasoning \
-  --train-args "--max-prompts 32 --max-new-tokens 96 --epochs 2 --max-heldout 8 --block-size 5" \
-  --arms nospec,frozen,shadow,online-ogd,online-optimistic,online-ensemble \
-  --num-prompts 40 --wave 4 --max-tokens 80 --catch-up-s 8 --out "$OUT" "$@"
+SCENARIOS=${*:-tune shifted own aba}
+CLI=${CLI:-vllm-onlinespec}
+PY=${PY:-python}
+SEEDS=${SEEDS:-0,1}
+LRS=${LRS:-3e-4 1e-3 3e-3}
+ARMS=${ARMS:-nospec,frozen,online-ogd,online-optimistic,online-ensemble}
+DRAFTER=${DRAFTER:-$($CLI model drafter smollm2-135m)}
+COMMON=(--drafter "$DRAFTER" --arrivals "${ARRIVALS:-closed:4}" --window-s 20
+        --max-tokens "${MAX_TOKENS:-96}" --num-prompts 200)
+mkdir -p "$OUT"
+$PY "$ROOT/benchmarks/shift_streams.py" --spec-bench "$SPEC_BENCH" \
+  --heldout "$DRAFTER/heldout_prompts.jsonl" --out "$OUT/streams" --seeds "$SEEDS"
+
+online() { echo "{\"lr\": $1, \"ensemble_lrs\": [$(${PY} -c "print(', '.join(str(x * $1) for x in (0.3, 1, 3)))")]}"; }
+
+for sc in $SCENARIOS; do
+  case $sc in
+    tune)
+      for lr in $LRS; do
+        "$CLI" bench "${COMMON[@]}" --prompts "$OUT/streams/tune.jsonl" --arms online-ogd \
+          --online "$(online "$lr")" --out "$OUT/tune/lr-$lr"
+      done
+      "$CLI" bench "${COMMON[@]}" --prompts "$OUT/streams/tune.jsonl" --arms frozen --out "$OUT/tune/frozen"
+      ;;
+    shifted|own)
+      LR=${LR:-$($PY "$ROOT/benchmarks/domain_shift_report.py" --run "$OUT" --best-lr)}
+      "$CLI" bench "${COMMON[@]}" --prompts "$OUT/streams/$sc.jsonl" --arms "$ARMS" --seeds "$SEEDS" \
+        --online "$(online "$LR")" --out "$OUT/$sc"
+      ;;
+    aba)
+      LR=${LR:-$($PY "$ROOT/benchmarks/domain_shift_report.py" --run "$OUT" --best-lr)}
+      for s in ${SEEDS//,/ }; do
+        "$CLI" bench "${COMMON[@]}" --prompts "$OUT/streams/aba-seed-$s.jsonl" --in-order --arms "$ARMS" \
+          --online "$(online "$LR")" --out "$OUT/aba/seed-$s"
+      done
+      ;;
+    *) echo "unknown scenario $sc (tune, shifted, own, aba)" >&2; exit 2 ;;
+  esac
+done

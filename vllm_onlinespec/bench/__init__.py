@@ -4,9 +4,11 @@ stream, a report (JSON, markdown, PNG), the domain-shift and concurrency benchma
     prompts.py     prompt streams (Spec-Bench categories, HumanEval, built-in chat prompts,
                    prompt files: prompt / OpenAI messages / ShareGPT JSONL)
     arrivals.py    arrival processes: closed loop of C clients, Poisson open loop; asyncio driver
+    engine_loop.py one engine served request by request as clients arrive (the continuous
+                   protocols), probes of its counters per window, the windows (pure)
     arm_catalog.py arm names -> ArmSpec (nospec, ngram, frozen, online-<algo>, fixed/adaflash/budget)
     arm_process.py `python -m vllm_onlinespec.bench.arm_process SPEC.json`: one engine, one
-                   stream, one result (the subprocess of one arm)
+                   stream, one result (the subprocess of one arm), waves or continuous
     launch.py      launches the arms' subprocesses one after the other, with progress bars
     drafters.py    trains (or reuses) a starting drafter through `vllm-onlinespec train`
     report.py      summary table, markdown, plots

@@ -1,11 +1,17 @@
-"""One benchmark arm: one vLLM engine serving one prompt stream, wave after wave.
+"""One benchmark arm: one vLLM engine serving one prompt stream.
 
     python -m vllm_onlinespec.bench.arm_process SPEC.json
 
-Stream protocol: the prompts are served in file order, `wave` at a time (one batched
-`llm.chat` call per wave); every prompt is served exactly once. A wave's acceptance is measured
-while it is served, so it reflects what the learner had learned from earlier waves only:
-learning from past traffic to serve future traffic, never memory of the same prompts.
+Two stream protocols; in both, every prompt is served exactly once, in file order, and a
+request's acceptance is measured while it is served, so it reflects what the learner had
+learned from earlier requests only: learning from past traffic to serve future traffic, never
+memory of the same prompts.
+
+    waves       `wave` prompts at a time (one batched `llm.chat` call per wave), optionally a
+                pause after each for the learner (`catch_up_s`, reported apart).
+    continuous  `arrivals` = closed:C or poisson:RATE: requests join the running batch as
+                clients send them (bench/engine_loop.py), the learner trains beside serving,
+                the wall time is the whole stream; windows of `window_s` take the waves' place.
 
 Progress goes to stdout as `@@bench {json}` lines (the runner turns them into a progress bar);
 the result JSON is rewritten after every wave, so a crash keeps what was measured.
@@ -101,36 +107,10 @@ def run(spec: ArmSpec) -> ArmResult:
     t0 = time.perf_counter()
     llm = make_llm(spec)
     res.startup_s = time.perf_counter() - t0
-    n_waves = -(-len(prompts) // spec.wave)
-    progress("started", startup_s=res.startup_s, waves=n_waves, prompts=len(prompts))
+    progress("started", startup_s=res.startup_s, prompts=len(prompts))
     params = SamplingParams(temperature=0.0, max_tokens=spec.max_tokens)
     try:
-        for w in range(n_waves):
-            batch = prompts[w * spec.wave:(w + 1) * spec.wave]
-            st0 = onlinespec_stats(llm, spec)
-            c0 = spec_counters(llm)
-            t = time.perf_counter()
-            outs = llm.chat([p["messages"] for p in batch], params, use_tqdm=False)
-            wall = time.perf_counter() - t
-            c1 = spec_counters(llm)
-            st1 = onlinespec_stats(llm, spec)
-            v0 = st0.published_version
-            reqs = [request_result(o, w * spec.wave + i, p, w, v0)
-                    for i, (o, p) in enumerate(zip(outs, batch))]
-            res.requests += reqs
-            tpots = [r.tpot_ms for r in reqs if r.tpot_ms == r.tpot_ms]
-            wr = WaveResult(index=w, prompts=len(batch),
-                            output_tokens=sum(r.output_tokens for r in reqs), wall_s=wall,
-                            **{k: c1[k] - c0[k] for k in SPEC_COUNTERS},
-                            tpot_ms=sum(tpots) / len(tpots) if tpots else float("nan"),
-                            version_start=v0, version_end=st1.published_version,
-                            learner_updates=st1.learner.updates if st1.learner else 0)
-            wr.catch_up_s = catch_up(llm, spec)
-            res.waves.append(wr)
-            res.serve_s += wall
-            res.save()
-            progress("wave", index=w, prompts=len(batch), acceptance_length=wr.acceptance_length,
-                     tok_s=wr.tok_s, version=wr.version_end)
+        (serve_continuous if spec.arrivals else serve_waves)(llm, spec, prompts, params, res)
         res.learner = onlinespec_stats(llm, spec).to_dict() if spec.onlinespec is not None else {}
     finally:
         res.save()
@@ -139,6 +119,80 @@ def run(spec: ArmSpec) -> ArmResult:
         except Exception:  # noqa: BLE001 - the result is saved; exiting cleans up the rest
             pass
     return res
+
+
+def serve_continuous(llm, spec: ArmSpec, prompts: list[dict], params, res: ArmResult) -> None:
+    """The stream under spec.arrivals, nothing paused or left out: res.serve_s is from the
+    first request sent to the last one finished, res.waves are windows of spec.window_s."""
+    from vllm_onlinespec.bench import arrivals as A
+    from vllm_onlinespec.bench.engine_loop import EngineLoop, version_at, windows
+
+    process = A.parse_arrivals(spec.arrivals, seed=spec.arrival_seed)
+    tok = llm.get_tokenizer()
+    # Rendered before the clock starts (llm.chat renders the same template per call).
+    ids = [tok.apply_chat_template(p["messages"], add_generation_prompt=True, tokenize=True)
+           for p in prompts]
+
+    def probe() -> tuple[int, int, int, int, int]:
+        c = spec_counters(llm)
+        st = onlinespec_stats(llm, spec)
+        return (c["drafts"], c["draft_tokens"], c["accepted"], st.published_version,
+                st.learner.updates if st.learner else 0)
+
+    loop = EngineLoop(llm.llm_engine, params, probe, window_s=spec.window_s).start()
+
+    def submit(x):
+        fut = loop.submit(x)
+        fut.add_done_callback(lambda f: progress("request", ok=f.exception() is None))
+        return fut
+
+    try:
+        records = A.run(process, ids, submit)
+    finally:
+        probes = loop.close()
+    for rec in records:
+        i = rec.prompt_index
+        if rec.error is not None:
+            res.failed.append(f"{prompts[i].get('id', i)}: {rec.error}")
+            continue
+        fin = rec.result  # times on the engine loop's clock, like the probes'
+        r = request_result(fin.output, rec.index, prompts[i], 0, version_at(probes, fin.submit_s))
+        r.submit_s, r.finish_s = fin.submit_s, fin.finish_s
+        res.requests.append(r)
+    res.waves = windows(probes, res.requests)
+    res.serve_s = probes[-1].t_s - probes[0].t_s  # = the windows' wall times added up
+    if loop.error:
+        raise RuntimeError(f"engine loop: {loop.error}")
+
+
+def serve_waves(llm, spec: ArmSpec, prompts: list[dict], params, res: ArmResult) -> None:
+    n_waves = -(-len(prompts) // spec.wave)
+    for w in range(n_waves):
+        batch = prompts[w * spec.wave:(w + 1) * spec.wave]
+        st0 = onlinespec_stats(llm, spec)
+        c0 = spec_counters(llm)
+        t = time.perf_counter()
+        outs = llm.chat([p["messages"] for p in batch], params, use_tqdm=False)
+        wall = time.perf_counter() - t
+        c1 = spec_counters(llm)
+        st1 = onlinespec_stats(llm, spec)
+        v0 = st0.published_version
+        reqs = [request_result(o, w * spec.wave + i, p, w, v0)
+                for i, (o, p) in enumerate(zip(outs, batch))]
+        res.requests += reqs
+        tpots = [r.tpot_ms for r in reqs if r.tpot_ms == r.tpot_ms]
+        wr = WaveResult(index=w, prompts=len(batch),
+                        output_tokens=sum(r.output_tokens for r in reqs), wall_s=wall,
+                        **{k: c1[k] - c0[k] for k in SPEC_COUNTERS},
+                        tpot_ms=sum(tpots) / len(tpots) if tpots else float("nan"),
+                        version_start=v0, version_end=st1.published_version,
+                        learner_updates=st1.learner.updates if st1.learner else 0)
+        wr.catch_up_s = catch_up(llm, spec)
+        res.waves.append(wr)
+        res.serve_s += wall
+        res.save()
+        progress("wave", index=w, prompts=len(batch), acceptance_length=wr.acceptance_length,
+                 tok_s=wr.tok_s, version=wr.version_end)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -13,8 +13,18 @@ request, each with 'prompt' (a string), 'messages' (OpenAI chat, [{"role", "cont
 'conversations' (ShareGPT, [{"from": "human"|"gpt"|"system", "value"}]); chats are served up to
 their last user/human turn. The drafter can still be trained on Spec-Bench categories.
 
-    vllm-onlinespec bench --prompts my_traffic.jsonl --drafter DRAFTER --arms nospec,online-ogd \
+    vllm-onlinespec bench --prompts my_traffic.jsonl --drafter DRAFTER --arms nospec,online-ogd \\
         --out results/mine
+
+`--arrivals closed:C` or `--arrivals poisson:RATE` serves the stream as a server sees it: C
+clients that each send their next request when the previous one finished, or Poisson arrivals
+at RATE requests/s; requests join the running batch between engine steps, the learner trains
+beside serving, nothing pauses and the wall time is the whole stream. The report's rows are
+then windows of `--window-s` seconds (tok/s, acceptance, TPOT and drafter version per window).
+`--seeds 0,1` serves every arm on each stream order and reports medians with min-max:
+
+    vllm-onlinespec bench --prompts my_traffic.jsonl --drafter DRAFTER --arrivals closed:4 \\
+        --seeds 0,1 --arms nospec,frozen,online-ogd --out results/mine
 """
 
 from __future__ import annotations
@@ -87,8 +97,11 @@ def check_stream_source(args: argparse.Namespace) -> None:
 
 
 def build_stream(serve: list, train: list, tokenizer, *, max_prompt_tokens: int,
-                 num_prompts: int | None, seed: int) -> list:
-    stream = P.interleave(P.by_length(P.exclude(serve, train), tokenizer, max_prompt_tokens), seed)
+                 num_prompts: int | None, seed: int, in_order: bool = False) -> list:
+    """The prompts not trained on, short enough, interleaved by category (seeded), or in their
+    own order (`in_order`: a stream whose order is the experiment, e.g. domain A -> B -> A)."""
+    kept = P.by_length(P.exclude(serve, train), tokenizer, max_prompt_tokens)
+    stream = kept if in_order else P.interleave(kept, seed)
     if num_prompts:
         stream = stream[:num_prompts]
     if not stream:
@@ -123,6 +136,16 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
       help="bfloat16 (default: the serving recipe; AVX512-BF16/AMX CPUs decode ~1.7x faster "
       "than float32) or float32 (greedy output then identical across arms, token for token)")
     a("--online", default="{}", help="JSON merged into the learning arms' onlinespec settings")
+    a("--arrivals", default="", metavar="closed:C|poisson:RATE",
+      help="continuous serving instead of waves: C clients that each send their next request "
+      "when the previous one finished, or Poisson arrivals at RATE requests/s (open loop); the "
+      "learner trains beside serving and the wall time is the whole stream (default: waves)")
+    a("--window-s", type=float, default=20.0, help="continuous protocols: seconds per "
+      "measurement window (tok/s, acceptance, TPOT, drafter version per window; default 20)")
+    a("--seeds", help="comma-separated stream orders, e.g. 0,1: every arm serves each order, "
+      "seed after seed, and the report gives medians with min-max (default: --seed)")
+    a("--in-order", action="store_true", help="serve --prompts in the file's order instead of "
+      "interleaving categories (for streams whose order is the experiment; no --seeds)")
     a("--catch-up-s", type=float, default=0.0, help="after each wave, let the learner catch up "
       "for at most this many seconds (not counted as serving time; default 0)")
     a("--seed", type=int, default=0, help="stream order")
@@ -130,16 +153,47 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     b.set_defaults(func=run_bench)
 
 
+def parse_seeds(args: argparse.Namespace) -> list[int]:
+    if not args.seeds:
+        return [args.seed]
+    try:
+        seeds = [int(x) for x in args.seeds.split(",") if x.strip()]
+    except ValueError:
+        raise ValueError(f"--seeds {args.seeds!r}: expected comma-separated integers") from None
+    if not seeds or len(set(seeds)) != len(seeds):
+        raise ValueError(f"--seeds {args.seeds!r}: expected distinct integers")
+    return seeds
+
+
+def check_protocol(args: argparse.Namespace) -> None:
+    """The continuous protocols count everything: a learner pause would be left out."""
+    if not args.arrivals:
+        return
+    from vllm_onlinespec.bench.arrivals import parse_arrivals
+
+    parse_arrivals(args.arrivals)
+    if args.catch_up_s > 0:
+        raise ValueError("--catch-up-s pauses between waves; with --arrivals the learner trains "
+                         "beside serving and nothing is left out of the wall time: drop one")
+    if not args.window_s > 0:
+        raise ValueError(f"--window-s must be > 0 seconds (got {args.window_s})")
+
+
 def run_bench(args: argparse.Namespace) -> int:
     from transformers import AutoTokenizer
 
     from vllm_onlinespec.bench.arm_catalog import DEFAULT_ONLINE, _merge, make_arm
     from vllm_onlinespec.bench.drafters import cache_key, ensure_drafter
-    from vllm_onlinespec.bench.report import summarize, text_table, write_report
     from vllm_onlinespec.bench.launch import run_arms
+    from vllm_onlinespec.bench import report as R
     from vllm_onlinespec.models import cache_dir, resolve
 
     check_stream_source(args)
+    check_protocol(args)
+    seeds = parse_seeds(args)
+    if args.in_order and (len(seeds) > 1 or not args.prompts):
+        raise ValueError("--in-order serves a --prompts file in its own order: give --prompts, "
+                         "and one order (no --seeds)")
     t0 = time.perf_counter()
     out = Path(args.out)
     arms = [x.strip() for x in args.arms.split(",") if x.strip()]
@@ -162,23 +216,44 @@ def run_bench(args: argparse.Namespace) -> int:
         flags = train_flags(train_cats, args.spec_bench, extra=args.train_args)
         flags[flags.index("--target") + 1] = target
         drafter = str(ensure_drafter(cache_dir() / "drafters" / f"bench-{cache_key(flags)}", flags))
-    stream = build_stream(serve_prompts, train_prompts, tok,
-                          max_prompt_tokens=args.max_prompt_tokens, num_prompts=args.num_prompts,
-                          seed=args.seed)
-    stream_path = P.write_stream(stream, out / "stream.jsonl")
-    print(f"stream: {len(stream)} prompts ({', '.join(sorted({p.category for p in stream}))}), "
-          f"waves of {args.wave}, {args.max_tokens} tokens max, {args.dtype}")
-    specs = [make_arm(a, target=target, prompts=str(stream_path), out_dir=out, drafter=drafter,
-                      num_speculative_tokens=args.num_spec_tokens, online=online, dtype=args.dtype,
-                      wave=args.wave, max_tokens=args.max_tokens, catch_up_s=args.catch_up_s)
-             for a in arms]
-    results = run_arms(specs, out)
-    meta = {"arms": arms, "target": target, "drafter": drafter, "train_categories": train_cats,
-            "serve_categories": serve_cats, "prompts_file": args.prompts, "prompts": len(stream),
-            "wave": args.wave, "max_tokens": args.max_tokens, "dtype": args.dtype, "online": online,
-            "catch_up_s": args.catch_up_s, "wall_s": round(time.perf_counter() - t0, 1)}
-    paths = write_report(results, out, title="vllm-onlinespec bench", meta=meta)
-    print("\n" + text_table(summarize(results)))
-    for k, p in paths.items():
-        print(f"{k}: {p}")
-    return 1 if any(r.error for r in results) else 0
+    protocol = (f"continuous ({args.arrivals}, windows of {args.window_s:g} s)" if args.arrivals
+                else f"waves of {args.wave}")
+    per_seed, failed, bad = [], [], False
+    for seed in seeds:
+        sub = out if len(seeds) == 1 else out / f"seed-{seed}"
+        stream = build_stream(serve_prompts, train_prompts, tok,
+                              max_prompt_tokens=args.max_prompt_tokens,
+                              num_prompts=args.num_prompts, seed=seed, in_order=args.in_order)
+        stream_path = P.write_stream(stream, sub / "stream.jsonl")
+        print(f"stream (seed {seed}): {len(stream)} prompts "
+              f"({', '.join(sorted({p.category for p in stream}))}), {protocol}, "
+              f"{args.max_tokens} tokens max, {args.dtype}")
+        specs = [make_arm(a, target=target, prompts=str(stream_path), out_dir=sub,
+                          drafter=drafter, num_speculative_tokens=args.num_spec_tokens,
+                          online=online, dtype=args.dtype, wave=args.wave,
+                          max_tokens=args.max_tokens, catch_up_s=args.catch_up_s,
+                          arrivals=args.arrivals, window_s=args.window_s)
+                 for a in arms]
+        results = run_arms(specs, sub)
+        meta = {"arms": arms, "target": target, "drafter": drafter,
+                "train_categories": train_cats, "serve_categories": serve_cats,
+                "prompts_file": args.prompts, "prompts": len(stream), "seed": seed,
+                "protocol": protocol, "arrivals": args.arrivals or None,
+                "window_s": args.window_s if args.arrivals else None, "wave": args.wave,
+                "max_tokens": args.max_tokens, "dtype": args.dtype, "online": online,
+                "catch_up_s": args.catch_up_s, "wall_s": round(time.perf_counter() - t0, 1)}
+        paths = R.write_report(results, sub, title="vllm-onlinespec bench", meta=meta)
+        rows = R.summarize(results)
+        print("\n" + R.text_table(rows))
+        for k, p in paths.items():
+            print(f"{k}: {p}")
+        per_seed.append(rows)
+        failed.append({r.name: len(r.failed) for r in results})
+        bad |= any(r.error or r.failed for r in results)
+    if len(seeds) > 1:
+        seed_rows = R.summarize_seeds(per_seed, failed)
+        path = R.write_seed_report(seed_rows, out, seeds=seeds, meta={
+            "arms": arms, "drafter": drafter, "protocol": protocol, "seeds": seeds,
+            "wall_s": round(time.perf_counter() - t0, 1)})
+        print("\n" + R.seeds_markdown(seed_rows) + f"\nover seeds: {path}")
+    return 1 if bad else 0

@@ -48,6 +48,8 @@ def run_arm(spec: ArmSpec, log_dir: Path, n_prompts: int, position: int = 0) -> 
             if ev["event"] == "started":
                 bar.set_description(f"{spec.name:>18}")
                 bar.set_postfix_str(f"engine up in {ev['startup_s']:.0f} s")
+            elif ev["event"] == "request":  # continuous protocols: one per finished request
+                bar.update(1)
             elif ev["event"] == "wave":
                 bar.update(ev["prompts"])
                 post = f"accept len {ev['acceptance_length']:.2f}, {ev['tok_s']:.1f} tok/s"

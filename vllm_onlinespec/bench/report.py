@@ -27,6 +27,8 @@ class Row:
     acceptance_length: float  # over the whole stream (1.0 for nospec)
     early: float  # first half of the stream
     late: float  # second half
+    first_20: float  # mean per-request acceptance length over the first 20 requests sent
+    last_quarter: float  # ... over the last quarter of the requests
     drafter_version: int  # published at the end (learning arms)
     learner_updates: int
     output_tokens: int
@@ -46,11 +48,93 @@ def summarize(results: Sequence[ArmResult]) -> list[Row]:
             arm=r.name, tok_s=t["tok_s"], speedup=t["tok_s"] / base if base else None,
             tpot_ms=t["tpot_ms"], acceptance_length=t["acceptance_length"],
             early=early["acceptance_length"], late=late["acceptance_length"],
+            first_20=request_acceptance(r, 0, 20),
+            last_quarter=request_acceptance(r, -(-3 * len(r.requests) // 4), None),
             drafter_version=r.stats.published_version,
             learner_updates=r.stats.learner.updates if r.stats.learner is not None else 0,
             output_tokens=int(t["output_tokens"]), startup_s=r.startup_s, serve_s=r.serve_s,
             catch_up_s=sum(w.catch_up_s for w in r.waves), error=r.error))
     return rows
+
+
+def request_acceptance(r: ArmResult, start: int, stop: int | None) -> float:
+    """Mean per-request acceptance length over requests [start:stop] in sending order (NaN for
+    arms without speculation)."""
+    reqs = sorted(r.requests, key=lambda q: q.index)[start:stop]
+    xs = [q.acceptance_length for q in reqs if q.acceptance_length is not None]
+    return sum(xs) / len(xs) if xs else float("nan")
+
+
+# -- several stream orders (seeds) -------------------------------------------------------------------
+
+SEED_FIELDS = ("tok_s", "speedup", "tpot_ms", "acceptance_length", "first_20", "last_quarter",
+               "early", "late")
+
+
+@dataclass
+class SeedRow:
+    """One arm over several stream orders: per field the median and the (min, max)."""
+
+    arm: str
+    seeds: int
+    median: dict[str, float]
+    spread: dict[str, tuple[float, float]]
+    failed_requests: int
+    errors: list[str]
+
+
+def summarize_seeds(per_seed: Sequence[Sequence[Row]], failed: Sequence[dict[str, int]] = ()
+                    ) -> list[SeedRow]:
+    """Rows of the same arms from several runs (one per seed) -> one SeedRow per arm."""
+    import statistics
+
+    arms = list(dict.fromkeys(r.arm for rows in per_seed for r in rows))
+    out = []
+    for arm in arms:
+        rows = [r for rows in per_seed for r in rows if r.arm == arm]
+        med, spread = {}, {}
+        for k in SEED_FIELDS:
+            xs = [getattr(r, k) for r in rows if getattr(r, k) is not None
+                  and getattr(r, k) == getattr(r, k)]
+            if xs:
+                med[k], spread[k] = statistics.median(xs), (min(xs), max(xs))
+        out.append(SeedRow(arm=arm, seeds=len(rows), median=med, spread=spread,
+                           failed_requests=sum(f.get(arm, 0) for f in failed),
+                           errors=[r.error for r in rows if r.error]))
+    return out
+
+
+def seeds_markdown(rows: Sequence[SeedRow]) -> str:
+    def cell(r: SeedRow, k: str, fmt: str) -> str:
+        if k not in r.median:
+            return "-"
+        lo, hi = r.spread[k]
+        return f"{format(r.median[k], fmt)} ({format(lo, fmt)}-{format(hi, fmt)})"
+
+    head = ("| arm | seeds | tok/s | vs nospec | accept len | first 20 requests | last quarter "
+            "| TPOT ms | failed requests |\n|---|---|---|---|---|---|---|---|---|\n")
+    return head + "\n".join(
+        f"| {r.arm}{' (FAILED)' if r.errors else ''} | {r.seeds} | {cell(r, 'tok_s', '.1f')} | "
+        f"{cell(r, 'speedup', '.2f')} | {cell(r, 'acceptance_length', '.2f')} | "
+        f"{cell(r, 'first_20', '.2f')} | {cell(r, 'last_quarter', '.2f')} | "
+        f"{cell(r, 'tpot_ms', '.1f')} | {r.failed_requests} |" for r in rows) + "\n"
+
+
+def write_seed_report(rows: Sequence[SeedRow], out_dir: str | Path, *, seeds: Sequence[int],
+                      meta: dict) -> Path:
+    """OUT/report.{json,md} over the seeds (each seed's own report is in OUT/seed-N/)."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "report.json").write_text(json.dumps(
+        {"meta": meta, "seeds": list(seeds), "summary": [asdict(r) for r in rows],
+         "per_seed": {str(s): str(out / f"seed-{s}" / "report.json") for s in seeds}},
+        indent=1, default=str))
+    md = out / "report.md"
+    md.write_text(f"# vllm-onlinespec bench over {len(seeds)} stream orders (seeds "
+                  f"{', '.join(map(str, seeds))})\n\nMedian (min-max) over the seeds; each "
+                  f"seed's table, windows and plots: seed-N/report.md.\n\n"
+                  + seeds_markdown(rows) + "\n```json\n" + json.dumps(meta, indent=1) + "\n```\n")
+    return md
 
 
 def _f(x: float | None, fmt: str = ".2f") -> str:
@@ -61,16 +145,20 @@ def _f(x: float | None, fmt: str = ".2f") -> str:
 
 def markdown_table(rows: Sequence[Row]) -> str:
     head = ("| arm | tok/s | vs nospec | TPOT ms | accept len | early | late | late - early "
-            "| drafter version | output tokens | learner catch-up s |\n"
-            "|---|---|---|---|---|---|---|---|---|---|---|\n")
+            "| first 20 requests | last quarter | drafter version | output tokens "
+            "| learner catch-up s |\n|---|---|---|---|---|---|---|---|---|---|---|---|---|\n")
     lines = []
     for r in rows:
         spec = r.arm != "nospec"
+
+        def acc(x: float, fmt: str = ".2f") -> str:
+            return _f(x, fmt) if spec else "-"
+
         lines.append(
             f"| {r.arm}{' (FAILED)' if r.error else ''} | {_f(r.tok_s, '.1f')} | "
             f"{_f(r.speedup) + 'x' if r.speedup else '-'} | {_f(r.tpot_ms, '.1f')} | "
-            f"{_f(r.acceptance_length) if spec else '1'} | {_f(r.early) if spec else '-'} | "
-            f"{_f(r.late) if spec else '-'} | {_f(r.late - r.early, '+.2f') if spec else '-'} | "
+            f"{_f(r.acceptance_length) if spec else '1'} | {acc(r.early)} | {acc(r.late)} | "
+            f"{acc(r.late - r.early, '+.2f')} | {acc(r.first_20)} | {acc(r.last_quarter)} | "
             f"{r.drafter_version or '-'} | {r.output_tokens} | {r.catch_up_s:.0f} |")
     return head + "\n".join(lines) + "\n"
 

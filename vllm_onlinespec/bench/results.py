@@ -32,6 +32,12 @@ class ArmSpec:
     # Seconds the stream may pause after each wave while the learner still has fresh feedback:
     # real traffic has gaps, a closed-loop benchmark on 2 cores has none. 0 = back to back.
     catch_up_s: float = 0.0
+    # The continuous protocols (bench/engine_loop.py): "closed:C" (C clients, each sends its next
+    # request when the previous one finished) or "poisson:RATE" (requests/s, open loop); "" =
+    # the wave protocol above. Windows of window_s seconds replace the waves in the result.
+    arrivals: str = ""
+    window_s: float = 20.0
+    arrival_seed: int = 0  # the Poisson gaps
     env: dict[str, str] = field(default_factory=dict)  # extra environment for the engine
 
     @property
@@ -67,6 +73,7 @@ class WaveResult:
     version_end: int = 0
     learner_updates: int = 0  # cumulative
     catch_up_s: float = 0.0
+    t_start_s: float | None = None  # continuous protocols: the window's start in the stream
 
     @property
     def acceptance_length(self) -> float:
@@ -87,7 +94,9 @@ class RequestResult:
     output_tokens: int
     tpot_ms: float
     acceptance_length: float | None = None  # vLLM's per-request spec metrics; None = no spec
-    drafter_version: int = 0  # version published when the request's wave started
+    drafter_version: int = 0  # version published when the request's wave started (or it was sent)
+    submit_s: float | None = None  # continuous protocols: sent / finished, s into the stream
+    finish_s: float | None = None
 
 
 @dataclass
@@ -99,6 +108,7 @@ class ArmResult:
     serve_s: float = 0.0
     learner: dict = field(default_factory=dict)  # final onlinespec_stats RPC dict (learning arms)
     error: str | None = None
+    failed: list[str] = field(default_factory=list)  # "prompt id: error" of requests that failed
 
     @property
     def stats(self) -> "OnlineSpecStats":
@@ -144,7 +154,8 @@ class ArmResult:
                    waves=[_build(WaveResult, w) for w in d.get("waves", [])],
                    requests=[_build(RequestResult, r) for r in d.get("requests", [])],
                    startup_s=d.get("startup_s", 0.0), serve_s=d.get("serve_s", 0.0),
-                   learner=d.get("learner", {}), error=d.get("error"))
+                   learner=d.get("learner", {}), error=d.get("error"),
+                   failed=d.get("failed", []))
 
     def save(self, path: str | os.PathLike | None = None) -> Path:
         p = Path(path or self.spec.out)
