@@ -34,6 +34,19 @@ def test_shipped_drafter_is_installed_small_and_documented(smollm2_path):
     assert not torch.allclose(drafter.norm.weight.float(), torch.ones_like(drafter.norm.weight.float()))
 
 
+def test_shipped_drafter_lists_its_held_out_prompts():
+    """The prompts its recipe held out by hash, readable as a prompt file (the domain-shift
+    benchmark's own-domain stream): never the demo's domain, as many as the recipe evaluated."""
+    from vllm_onlinespec.bench.prompts import from_file
+
+    path = models.shipped_drafter("smollm2-135m")
+    held = from_file(path / "heldout_prompts.jsonl")
+    meta = json.loads((path / "train_meta.json").read_text())
+    assert len(held) == meta["prompts"]["heldout"] >= 20
+    assert not any(p.category == "math_reasoning" for p in held)
+    assert len({p.text for p in held}) == len(held)
+
+
 def test_unknown_or_missing_shipped_drafter(monkeypatch, tmp_path):
     with pytest.raises(models.ModelError, match="unknown model"):
         models.shipped_drafter("nope")
