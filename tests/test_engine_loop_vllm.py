@@ -44,17 +44,28 @@ def served(smollm2_path, tmp_path_factory):
     llm = AP.make_llm(spec)
     res = ArmResult(spec=spec)
     try:
-        AP.serve_continuous(llm, spec, prompts, SamplingParams(temperature=0.0,
-                                                               max_tokens=MAX_TOKENS), res)
+        params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
+        AP.serve_continuous(llm, spec, prompts, params, res)
         final = AP.onlinespec_stats(llm, spec)
+        AP.request_result = real  # the answers compared below are the continuous stream's
+        # The wave protocol on the same engine: its bookkeeping.
+        waves = ArmResult(spec=spec)
+        AP.serve_waves(llm, spec, prompts[:4], params, waves)
     finally:
         AP.request_result = real
         llm.llm_engine.engine_core.shutdown()
-    return res, outputs, prompts, final
+    return res, outputs, prompts, final, waves
+
+
+def test_wave_protocol_on_the_same_engine(served):
+    waves = served[4]
+    assert len(waves.waves) == 1 and waves.waves[0].prompts == 4 and len(waves.requests) == 4
+    assert waves.waves[0].output_tokens == sum(r.output_tokens for r in waves.requests)
+    assert waves.serve_s == waves.waves[0].wall_s > 0
 
 
 def test_every_request_served_once_and_windows_add_up(served):
-    res, outputs, prompts, final = served
+    res, outputs, prompts, final, _ = served
     assert not res.failed and len(res.requests) == len(PROMPTS)
     assert sorted(r.prompt_id for r in res.requests) == sorted(p["id"] for p in prompts)
     assert sum(w.output_tokens for w in res.waves) == sum(r.output_tokens for r in res.requests)
@@ -78,12 +89,13 @@ def test_greedy_output_equals_the_target_while_learning(served, smollm2_path):
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    res, outputs, prompts, final = served
+    res, outputs, prompts, final, _ = served
     assert final.published_version >= 1, "the learner never published during the stream"
     tok = AutoTokenizer.from_pretrained(smollm2_path)
     model = AutoModelForCausalLM.from_pretrained(smollm2_path, torch_dtype=torch.float32).eval()
     for p in prompts:
-        ids = tok.apply_chat_template(p["messages"], add_generation_prompt=True, tokenize=True)
+        ids = tok.encode(tok.apply_chat_template(p["messages"], add_generation_prompt=True,
+                                                 tokenize=False), add_special_tokens=False)
         with torch.no_grad():
             ref = model.generate(torch.tensor([ids]), max_new_tokens=MAX_TOKENS, do_sample=False)
         want = ref[0, len(ids):].tolist()

@@ -129,8 +129,10 @@ def serve_continuous(llm, spec: ArmSpec, prompts: list[dict], params, res: ArmRe
 
     process = A.parse_arrivals(spec.arrivals, seed=spec.arrival_seed)
     tok = llm.get_tokenizer()
-    # Rendered before the clock starts (llm.chat renders the same template per call).
-    ids = [tok.apply_chat_template(p["messages"], add_generation_prompt=True, tokenize=True)
+    # Rendered before the clock starts, as llm.chat renders them: the chat template's text,
+    # then its tokens without special tokens added again.
+    ids = [tok.encode(tok.apply_chat_template(p["messages"], add_generation_prompt=True,
+                                              tokenize=False), add_special_tokens=False)
            for p in prompts]
 
     def probe() -> tuple[int, int, int, int, int]:
