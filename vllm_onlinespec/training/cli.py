@@ -43,7 +43,9 @@ RECIPES: dict[str, dict] = {
     #   prompts. Each: 1 greedy + 2 sampled answers (T 0.8, top-p 0.95, per-prompt seeds) + 1
     #   follow-up turn on its greedy answer, 256 tokens max: 1520 sequences, 230 k response
     #   tokens. vLLM bf16, 128 prompts per batch: ~160-176 tok/s here on these long prompts
-    #   (24 min), the biggest phase; more answers per prompt is the next lever for data.
+    #   (24 min), the biggest phase. 3 sampled answers + 2 follow-ups per prompt (352 k
+    #   response tokens, logged features) trained for the same steps did not beat it (+0.01
+    #   held out; docs/results/drafter.md, round 3), so the recipe keeps this data.
     # - features: one HF fp32 pass, each prompt once for all of its answers (392 k tokens
     #   computed for 490 k sequence tokens). HF bf16 was slower than fp32 on this CPU (450-540
     #   vs 590 tok/s, 2 threads); a second thread on a core the engine or tests also use cost
