@@ -15,8 +15,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 from pathlib import Path
+
+from vllm_onlinespec.bench.report import median_spread
 
 SCENARIOS = {"shifted": "math word problems the drafter never saw (reported stream, not tuned on)",
              "own": "held-out prompts of the drafter's own training domain",
@@ -66,10 +67,8 @@ def seed_reports(folder: Path) -> dict[str, dict]:
 
 
 def _stat(xs: list) -> dict | None:
-    xs = [x for x in xs if x is not None and x == x]
-    if not xs:
-        return None
-    return {"median": statistics.median(xs), "min": min(xs), "max": max(xs), "n": len(xs)}
+    st = median_spread(xs)
+    return None if st is None else dict(zip(("median", "min", "max", "n"), st))
 
 
 FIGS = ("tok_s", "accept_len", "accept_len_first_20", "accept_len_last_quarter",

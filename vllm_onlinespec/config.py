@@ -156,8 +156,9 @@ ORACLE_ENV = "VLLM_ONLINESPEC_BENCHMARK_ORACLE"
 
 class FeatureLogConfig(_Section):
     """Keep the target features vLLM computes while it serves, for offline drafter training:
-    a data-generation engine then needs no second pass of the target (serving/feature_log.py,
-    read back by training/captured.py)."""
+    a data-generation engine then needs no second pass of the target (written by
+    training/feature_log.FeatureLogWriter from serving/session.py, read back by
+    training/feature_log.read_feature_log)."""
 
     dir: str | None = Field(
         None, description="write every committed token's target features (the drafter's aux "

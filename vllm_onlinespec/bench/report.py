@@ -83,21 +83,27 @@ class SeedRow:
     errors: list[str]
 
 
+def median_spread(xs) -> tuple[float, float, float, int] | None:
+    """(median, min, max, n) of the figures that are numbers (None and NaN left out); None
+    when there is none."""
+    import statistics
+
+    xs = [x for x in xs if x is not None and x == x]
+    return (statistics.median(xs), min(xs), max(xs), len(xs)) if xs else None
+
+
 def summarize_seeds(per_seed: Sequence[Sequence[Row]], failed: Sequence[dict[str, int]] = ()
                     ) -> list[SeedRow]:
     """Rows of the same arms from several runs (one per seed) -> one SeedRow per arm."""
-    import statistics
-
     arms = list(dict.fromkeys(r.arm for rows in per_seed for r in rows))
     out = []
     for arm in arms:
         rows = [r for rows in per_seed for r in rows if r.arm == arm]
         med, spread = {}, {}
         for k in SEED_FIELDS:
-            xs = [getattr(r, k) for r in rows if getattr(r, k) is not None
-                  and getattr(r, k) == getattr(r, k)]
-            if xs:
-                med[k], spread[k] = statistics.median(xs), (min(xs), max(xs))
+            st = median_spread(getattr(r, k) for r in rows)
+            if st:
+                med[k], spread[k] = st[0], (st[1], st[2])
         out.append(SeedRow(arm=arm, seeds=len(rows), median=med, spread=spread,
                            failed_requests=sum(f.get(arm, 0) for f in failed),
                            errors=[r.error for r in rows if r.error]))
