@@ -3,9 +3,11 @@
     python benchmarks/drafter_offline_eval.py --data runs/drafter/main/data \
         --drafter runs/drafter/v2 [--drafter vllm_onlinespec/drafters/smollm2-135m ...]
 
-Prints two figures per drafter, both greedy and over the whole vocabulary: the trainer's
+Prints per drafter, greedy and over the whole vocabulary, two acceptance lengths: the trainer's
 (16 blocks at uniformly drawn answer positions per sequence) and the walk (a block at every
-position, then a greedy walk through each answer: what vLLM's mean acceptance length counts).
+position, then a greedy walk through each answer: what vLLM's mean acceptance length counts),
+and the walk's share of steps that accepted all K drafts (the only steps a longer block could
+extend: K' > K adds at most (K' - K) x that share tokens per step).
 """
 
 from __future__ import annotations
@@ -53,7 +55,9 @@ def main() -> int:
         print(json.dumps({"drafter": path, "sequences": len(held),
                           "accept_len_uniform_anchors": round(ev["acceptance"], 3),
                           "accept_len_walk": round(ev["walk_acceptance"], 3),
-                          "walk_steps": ev["walk_steps"], "match": ev["match"]}))
+                          "walk_steps": ev["walk_steps"],
+                          "walk_full_block_share": round(ev["walk_full_block_share"], 4),
+                          "match": ev["match"]}))
     return 0
 
 

@@ -149,6 +149,9 @@ def main() -> int:
     ap.add_argument("--served", action="append", default=[],
                     help="drafter_served.py result JSON (repeatable; later files win)")
     ap.add_argument("--out", default="docs/results")
+    ap.add_argument("--keep-rows", action="store_true",
+                    help="keep the rows of OUT/drafter.json whose run is not given with --run "
+                    "(earlier rounds whose run folders are gone), before the new ones")
     args = ap.parse_args()
     served, nospec = {}, {}
     for f in args.served:
@@ -156,6 +159,11 @@ def main() -> int:
         served.update(sv)
         nospec = ns or nospec
     rows = [r for run in args.run for r in rows_for(Path(run), served)]
+    old = Path(args.out) / "drafter.json"
+    if args.keep_rows and old.is_file():
+        new_runs = {r.run for r in rows}
+        rows = [CurveRow(**r) for r in json.loads(old.read_text())["rows"]
+                if r["run"] not in new_runs] + rows
     write(rows, Path(args.out), nospec, [])
     return 0
 

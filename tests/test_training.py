@@ -18,7 +18,8 @@ from vllm_onlinespec.config import LossConfig
 from vllm_onlinespec.drafter import DFlashConfig, DFlashDrafter, LengthHead, load_drafter
 from vllm_onlinespec.training import data
 from vllm_onlinespec.training.blocks import (LossVocab, block_loss, greedy_accepted,
-                                             response_mask, sample_anchors, walk_acceptance)
+                                             response_mask, sample_anchors, walk_acceptance,
+                                             walk_steps)
 from vllm_onlinespec.training.generate import SamplingSpec, generate
 from vllm_onlinespec.training.trainer import TrainConfig, train
 
@@ -222,6 +223,8 @@ def test_walk_acceptance_steps_like_serving():
     # An easy stretch then a hard one: uniform anchors average 1 + 20/10 = 3.0 tokens per step,
     # the walk crosses the easy half in one step and the hard half in five: 10 / 6.
     assert walk_acceptance([4] * 5 + [0] * 5, 4) == (6, 10)
+    assert walk_steps([2, 0, 0, 1, 0, -1, 3], 4) == [2, 1]  # accepted drafts per visited step
+    assert walk_steps([9, 0, 0, 0, 0, 4], 4) == [4, 4]
 
 
 def test_walk_eval_counts_blocks_at_every_position_in_any_chunking():
@@ -246,6 +249,7 @@ def test_walk_eval_counts_blocks_at_every_position_in_any_chunking():
     assert a == b
     # positions with a full window: 14-2-3 = 9 and 9-2-2 = 5; one accepted draft skips one
     assert a["walk_steps"] <= 14 and a["walk_acceptance"] > 1.0
+    assert 0.0 <= a["walk_full_block_share"] <= (a["walk_acceptance"] - 1) / 2  # K = 2 here
 
 
 def test_greedy_accepted_censoring():

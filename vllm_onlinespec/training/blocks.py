@@ -27,7 +27,7 @@ from ..drafter.model import DFlashDrafter, block_labels
 
 __all__ = ["LossConfig", "BlockStats", "LossVocab", "block_loss", "greedy_accepted",
            "position_weights", "response_mask", "sample_anchors", "target_block_states",
-           "walk_acceptance"]
+           "walk_acceptance", "walk_steps"]
 
 
 # -- anchors ---------------------------------------------------------------------------------------
@@ -132,22 +132,30 @@ class BlockStats:
         return d
 
 
-def walk_acceptance(accepted_at: Sequence[int], num_draft_tokens: int) -> tuple[int, int]:
-    """(verify steps, tokens) of greedy speculative decoding walking one answer.
+def walk_steps(accepted_at: Sequence[int], num_draft_tokens: int) -> list[int]:
+    """Drafts accepted at each verify step of greedy speculative decoding walking one answer.
 
     accepted_at[i]: drafts accepted by a block anchored at the answer's i-th position (-1 or the
     end of the list = no full window there: the walk stops). A step at i commits
     accepted_at[i] + 1 tokens (the bonus included) and the next block is anchored right after
-    them, as in serving. tokens / steps is what vLLM's "mean acceptance length" reports. Over
-    stretches of similar acceptance it is a harmonic rather than an arithmetic mean of
-    (accepted + 1), so it is usually below the mean over uniformly placed anchors: a walk
-    crosses an easy stretch in few steps and a hard one in many.
+    them, as in serving.
     """
-    steps = tokens = i = 0
+    out, i = [], 0
     while i < len(accepted_at) and accepted_at[i] >= 0:
         a = min(int(accepted_at[i]), num_draft_tokens)
-        steps, tokens, i = steps + 1, tokens + a + 1, i + a + 1
-    return steps, tokens
+        out.append(a)
+        i += a + 1
+    return out
+
+
+def walk_acceptance(accepted_at: Sequence[int], num_draft_tokens: int) -> tuple[int, int]:
+    """(verify steps, tokens) of the walk (walk_steps). tokens / steps is what vLLM's "mean
+    acceptance length" reports. Over stretches of similar acceptance it is a harmonic rather
+    than an arithmetic mean of (accepted + 1), so it is usually below the mean over uniformly
+    placed anchors: a walk crosses an easy stretch in few steps and a hard one in many.
+    """
+    steps = walk_steps(accepted_at, num_draft_tokens)
+    return len(steps), sum(steps) + len(steps)
 
 
 # -- the loss vocabulary ---------------------------------------------------------------------------

@@ -37,38 +37,34 @@ SPEC_BENCH_GUESSES = ("../shared/data/spec_bench/question.jsonl", "shared/data/s
 # Recipes: named settings measured on the project's 2-core CPU box (why: in the comments).
 RECIPES: dict[str, dict] = {
     # SmolLM2-135M-Instruct, the drafter shipped in the package (vllm_onlinespec/drafters/).
-    # Measured per phase on the 2-core box (docs/results/drafter.md):
+    # Measured per phase on the 2-core box (docs/results/drafter.md, round 4 unless named):
     # - data: Spec-Bench (all categories but math_reasoning, which the demo serves as the new
     #   domain) + HumanEval, prompts <= 512 tokens, 10 % held out by prompt hash: 380 training
-    #   prompts. Each: 1 greedy + 2 sampled answers (T 0.8, top-p 0.95, per-prompt seeds) + 1
-    #   follow-up turn on its greedy answer, 256 tokens max: 1520 sequences, 230 k response
-    #   tokens. vLLM bf16, 128 prompts per batch: ~160-176 tok/s here on these long prompts
-    #   (24 min), the biggest phase. 3 sampled answers + 2 follow-ups per prompt (352 k
-    #   response tokens, logged features) trained for the same steps did not beat it (+0.01
-    #   held out; docs/results/drafter.md, round 3), so the recipe keeps this data.
-    # - features: one HF fp32 pass, each prompt once for all of its answers (392 k tokens
-    #   computed for 490 k sequence tokens). HF bf16 was slower than fp32 on this CPU (450-540
-    #   vs 590 tok/s, 2 threads); a second thread on a core the engine or tests also use cost
-    #   7x (30 vs 210-400 tok/s), so --threads auto counts the load.
+    #   prompts. Each: 1 greedy + 2 sampled answers (T 0.8, no nucleus cut, per-prompt seeds) +
+    #   1 follow-up turn on its greedy answer, 256 tokens max: 1520 sequences, 233 k response
+    #   tokens, vLLM bf16, <= 128 sequences in flight: 1234 s. The features are logged by this
+    #   project's worker in the same vLLM pass (29 s to write the shards; round 2's separate HF
+    #   pass took 1270 s, and top-p 0.95 made its generation 1845 s: vLLM's CPU top-p sorts the
+    #   vocabulary every step). 3 sampled answers + 2 follow-ups (352 k response tokens)
+    #   trained for the same steps did not beat it (+0.01 held out, round 3).
     # - training: fp32 (bf16 autocast was slower here: no AMX; matmuls 1.5x slower in bf16),
-    #   the chunked fused LM-head loss over the 10 953 tokens the data contains (--loss-vocab
-    #   seen: 3x the steps per second of the full 49 152), K = 4, batch 4 x 8 anchors. Chosen
-    #   by held-out acceptance after equal wall time (5 min each, docs/results/drafter.md):
+    #   the chunked fused LM-head loss over the ~12 k tokens the data contains (--loss-vocab
+    #   seen: 3x the steps per second of the full 49 152), K = 4, batch 4 x 8 anchors, 9000
+    #   steps: 2043 s at 4.4 steps/s (1342 s on the box round 2 ran on). Chosen by measurement:
     #   8 anchors beat 16 and 64 (more steps beat more rows per step), batch 4 beat 2, lr 1e-3
-    #   beat 3e-3, 1 layer beat 2; initialising from the target's last layer did not help.
+    #   beat 3e-3 (round 2, equal wall time); 2 and 3 drafter layers gain +0.01-0.05 per step
+    #   and cost 1.39x / 1.76x per step, so 1 layer wins at equal time; K = 7 could add at
+    #   most 0.02 tokens per step (0.8 % of steps accept all 4) for a 2.07x instead of 1.39x
+    #   verify step (round 4); initialising from the target's last layer did not help.
+    # Whole recipe from scratch: ~58 min here.
     "smollm2-default": {
         "target": "smollm2-135m", "humaneval": True, "spec_bench": "auto",
         "exclude_categories": "math_reasoning", "max_prompt_tokens": 512, "max_heldout": 64,
-        "max_new_tokens": 256, "sampled_answers": 2, "temperature": 0.8, "top_p": 0.95,
+        "max_new_tokens": 256, "sampled_answers": 2, "temperature": 0.8, "top_p": 1.0,
         "followups": 1,
         "gen_dtype": "bfloat16", "layers": 1, "block_size": 5, "num_target_features": 3,
         "steps": 9000, "batch_size": 4, "anchors_per_seq": 8, "lr": 1e-3, "warmup_steps": 50,
-        "loss_vocab": "seen", "eval_anchors": 16, "eval_every": 1500,
-        # The shipped weights were trained on the HF pass's features. Logging them during
-        # generation (the default elsewhere) ends 1.28x sooner end to end with the HF pass's 11-21
-        # min gone (docs/results/feature_source.md); it becomes this recipe's at its next
-        # retraining, so that this command keeps reproducing the weights it shipped.
-        "features": "hf",
+        "loss_vocab": "seen", "eval_anchors": 16, "eval_every": 1500, "features": "vllm",
     },
     # The earlier small recipe (~15 min, 200 prompts x 192 greedy tokens, 1 layer, K = 7): what
     # the benchmarks' per-run starting drafters are built from (bench.cli.recipe_flags).
@@ -84,8 +80,9 @@ RECIPE_NOTES = {
     "smollm2-small": "a ~15-min drafter: 200 prompts x 192 greedy tokens, 1 layer, K = 7",
     "smollm2-default": "the shipped SmolLM2-135M-Instruct drafter: Spec-Bench (without "
                        "math_reasoning) + HumanEval, greedy + 2 sampled answers + 1 follow-up per "
-                       "prompt (230 k response tokens), 1 drafter layer, K = 4, target layers "
-                       "[1, 14, 27], 9000 steps on the data's own vocabulary",
+                       "prompt (233 k response tokens, features logged by vLLM), 1 drafter "
+                       "layer, K = 4, target layers [1, 14, 27], 9000 steps on the data's own "
+                       "vocabulary; ~58 min from scratch on 2 cores",
 }
 
 

@@ -35,7 +35,7 @@ from tqdm.auto import tqdm
 
 from ..config import LossConfig
 from ..drafter import DFlashConfig, DFlashDrafter, LengthHead, save_drafter
-from .blocks import LossVocab, block_loss, response_mask, sample_anchors, walk_acceptance
+from .blocks import LossVocab, block_loss, response_mask, sample_anchors, walk_steps
 from .features import target_features
 from .generate import Sample
 
@@ -331,6 +331,24 @@ def evaluate(drafter: DFlashDrafter, length_head: LengthHead | None, examples: S
 
 
 @torch.no_grad()
+def block_accepts(drafter: DFlashDrafter, e: Example, embed_w: Tensor, lm_head_w: Tensor,
+                  loss_cfg: LossConfig | None = None, chunk: int = 64) -> list[int]:
+    """Greedy drafts accepted by a block anchored at each answer position of `e` that has a
+    full window (index 0 = the answer's first position, e.start); whole vocabulary."""
+    k = drafter.config.num_draft_tokens
+    n = len(e.ids)
+    pos = torch.arange(e.start, max(e.start, n - k))  # full windows only
+    acc: list[int] = []
+    for s in range(0, len(pos), chunk):
+        anchors = pos[s:s + chunk].view(1, -1)
+        _, st = block_loss(drafter, e.ids.view(1, -1), e.aux.float().unsqueeze(0),
+                           e.final.float().unsqueeze(0), anchors, embed_w, lm_head_w,
+                           loss_cfg=loss_cfg, lengths=torch.tensor([n]))
+        acc += st.per_block[0].tolist()
+    return acc
+
+
+@torch.no_grad()
 def walk_eval(drafter: DFlashDrafter, examples: Sequence[Example], embed_w: Tensor,
               lm_head_w: Tensor, loss_cfg: LossConfig | None = None, chunk: int = 64) -> dict:
     """Held-out acceptance as serving measures it: a block at every answer position, then a
@@ -338,23 +356,16 @@ def walk_eval(drafter: DFlashDrafter, examples: Sequence[Example], embed_w: Tens
     at a time; ~10x the cost of `evaluate`, so the trainer runs it once, at the end."""
     drafter.eval()
     k = drafter.config.num_draft_tokens
-    steps = tokens = 0
+    steps = tokens = full = 0
     for e in examples:
-        n = len(e.ids)
-        pos = torch.arange(e.start, max(e.start, n - k))  # full windows only
-        if len(pos) == 0:
-            continue
-        acc = []
-        for s in range(0, len(pos), chunk):
-            anchors = pos[s:s + chunk].view(1, -1)
-            _, st = block_loss(drafter, e.ids.view(1, -1), e.aux.float().unsqueeze(0),
-                               e.final.float().unsqueeze(0), anchors, embed_w, lm_head_w,
-                               loss_cfg=loss_cfg, lengths=torch.tensor([n]))
-            acc += st.per_block[0].tolist()
-        st_, tok_ = walk_acceptance(acc, k)
-        steps, tokens = steps + st_, tokens + tok_
+        walked = walk_steps(block_accepts(drafter, e, embed_w, lm_head_w, loss_cfg, chunk), k)
+        steps, tokens = steps + len(walked), tokens + sum(walked) + len(walked)
+        full += sum(a == k for a in walked)
     drafter.train()
-    return {"walk_acceptance": tokens / steps if steps else math.nan, "walk_steps": steps}
+    # full_block_share: steps that accepted all K drafts, the only ones a longer block could
+    # extend, so (K' - K) x this share bounds what K' > K drafts add per step.
+    return {"walk_acceptance": tokens / steps if steps else math.nan, "walk_steps": steps,
+            "walk_full_block_share": full / steps if steps else math.nan}
 
 
 def _snapshot_dir(out: Path, step: int) -> Path:

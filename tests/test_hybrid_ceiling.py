@@ -1,0 +1,44 @@
+"""benchmarks/hybrid_ceiling.py: vLLM's prompt-lookup rule and the four proposers' walks."""
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+
+import hybrid_ceiling as H  # noqa: E402
+
+
+def test_ngram_propose_longest_then_earliest_match():
+    # suffix [1, 2, 3] recurs at 0 (and [2, 3] at 4): the 3-gram wins, its next tokens follow
+    assert H.ngram_propose([1, 2, 3, 9, 2, 3, 7, 1, 2, 3], k=2) == [9, 2]
+    # only the 2-gram [5, 6] recurs, first at 0 then at 3: the earliest occurrence
+    assert H.ngram_propose([5, 6, 1, 5, 6, 2, 8, 5, 6], k=3) == [1, 5, 6]
+    assert H.ngram_propose([1, 2, 3, 4], k=4) == []  # nothing recurs
+    assert H.ngram_propose([4, 4], k=4) == []  # shorter than a suffix plus an earlier copy
+    assert H.ngram_propose([7, 8, 9, 7, 8], k=4) == [9, 7, 8]  # up to the context's end
+
+
+def test_accepted_run_stops_at_first_miss():
+    assert H.accepted_run([1, 2, 3], [1, 2, 4]) == 2
+    assert H.accepted_run([], [1]) == 0
+    assert H.accepted_run([1, 2], [1]) == 1  # the window ran out
+
+
+def test_walk_policies_per_step_choices():
+    # The answer repeats its prompt: prompt lookup predicts it exactly, the drafter never.
+    ids = [10, 11, 12, 13, 14, 15, 16, 10, 11, 12, 13, 14, 15, 16, 10, 11]
+    start, k = 8, 2
+    dflash = [0] * (len(ids) - start - k)
+    w = H.walk_policies(ids, start, dflash, k)
+    assert w["dflash"].per_step == 1.0
+    assert w["ngram"].per_step == pytest.approx(3.0) and w["oracle"].per_step == pytest.approx(3.0)
+    assert w["ngram-first"].per_step == pytest.approx(3.0)
+    # Where the drafter is right and lookup has nothing, the oracle and ngram-first take it.
+    ids = list(range(20, 36))
+    w = H.walk_policies(ids, start, [2] * (len(ids) - start - k), k)
+    assert w["ngram"].per_step == 1.0 and w["ngram"].drafted_steps == 0
+    assert w["oracle"].per_step == w["ngram-first"].per_step == w["dflash"].per_step == 3.0
+    with pytest.raises(ValueError, match="unknown policy"):
+        H.choose("both", 1, 1, 2, 2)
