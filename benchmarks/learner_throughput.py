@@ -8,7 +8,8 @@ SmolLM2 drafter, the target's embedding and LM head, the default online config) 
 buffer the held-out answers of a training run's feature shards as verified steps of K + 1
 tokens, the way the worker's feedback arrives. Then it times `--updates` synchronous updates
 (the learner thread's work, without serving beside it) for each `loss.vocab` setting and
-prints update ms and updates/s (median and min-max over the updates).
+prints update ms and updates/s (median and min-max over the updates), trained draft positions
+per second (blocks x K per update) and publish ms (the snapshot copy each publish makes).
 """
 
 from __future__ import annotations
@@ -61,19 +62,26 @@ def main() -> int:
                 parts.buffer.push(FeedbackRecord(rid, r.ids[s:e], s, r.aux[s:e].float(),
                                                  r.final[s:e].float(), k, 0, prompt_len=r.start))
         learner = parts.learner
-        ms = []
+        ms, pub = [], []
         for _ in range(args.updates + 3):
+            learner.snapshot_ms = float("nan")
             t0 = time.perf_counter()
             status = learner.sync_step()
             dt = time.perf_counter() - t0
             if status != "updated":
                 raise SystemExit(f"loss.vocab {vocab}: update {status}: {learner.last_error}")
             ms.append(dt * 1e3)
-        ms = ms[3:]  # warm-up updates (allocator, first snapshot) left out
+            pub.append(learner.snapshot_ms)  # nan where this update did not publish
+        ms, pub = ms[3:], [x for x in pub[3:] if x == x]  # warm-up updates left out
         med = statistics.median(ms)
+        # Trained positions: each block of an update scores K draft positions.
+        positions_per_s = cfg.batch_blocks * k * 1e3 / med
         row = {"loss_vocab": vocab, "updates": len(ms), "update_ms_median": round(med, 1),
                "update_ms_min_max": [round(min(ms), 1), round(max(ms), 1)],
-               "updates_per_s": round(1e3 / med, 2), "threads": args.threads,
+               "updates_per_s": round(1e3 / med, 2),
+               "trained_positions_per_s": round(positions_per_s, 1),
+               "publish_ms_median": round(statistics.median(pub), 2) if pub else None,
+               "threads": args.threads,
                "batch_blocks": cfg.batch_blocks, "vocab_size": (
                    len(learner.loss_fn._vocab) if learner.loss_fn._vocab is not None
                    else int(lm.shape[0]))}
