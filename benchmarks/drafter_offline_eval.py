@@ -25,28 +25,20 @@ def main() -> int:
     ap.add_argument("--threads", type=int, default=2)
     args = ap.parse_args()
 
-    from pathlib import Path
-
     import torch
 
     from vllm_onlinespec.drafter import load_drafter
     from vllm_onlinespec.models import resolve
-    from vllm_onlinespec.training.shards import iter_shards, read_manifest
-    from vllm_onlinespec.training.trainer import Example, TrainConfig, evaluate, load_target, walk_eval
+    from vllm_onlinespec.training.trainer import TrainConfig, evaluate, heldout_inputs, walk_eval
 
     torch.set_num_threads(args.threads)
-    folder = Path(args.data) / "heldout"
-    header = read_manifest(folder).header
-    held = [Example(ids=r.ids, start=r.start, aux=r.aux, final=r.final)
-            for r in iter_shards(folder, header)]
-    target = load_target(resolve(args.target))
-    embed = target.get_input_embeddings().weight.detach().float()
-    lm = target.get_output_embeddings().weight.detach().float()
+    inp = heldout_inputs(args.data, resolve(args.target))
+    held, embed, lm = inp.examples, inp.embed_w, inp.lm_head_w
     for path in args.drafter:
         cfg, drafter, _ = load_drafter(path)
-        if tuple(cfg.target_layer_ids) != tuple(header.layer_ids):
+        if tuple(cfg.target_layer_ids) != inp.layer_ids:
             raise SystemExit(f"{path}: target layers {cfg.target_layer_ids} != the shards' "
-                             f"{list(header.layer_ids)}")
+                             f"{list(inp.layer_ids)}")
         drafter = drafter.float()
         tc = TrainConfig(num_layers=cfg.num_hidden_layers, block_size=cfg.block_size,
                          length_head=False)

@@ -121,20 +121,17 @@ def main() -> int:
 
     from vllm_onlinespec.drafter import load_drafter
     from vllm_onlinespec.models import resolve
-    from vllm_onlinespec.training.shards import iter_shards, read_manifest
-    from vllm_onlinespec.training.trainer import Example, block_accepts, load_target
+    from vllm_onlinespec.training.trainer import block_accepts, heldout_inputs
 
     torch.set_num_threads(args.threads)
-    folder = Path(args.data) / "heldout"
-    header = read_manifest(folder).header
-    held = [Example(ids=r.ids, start=r.start, aux=r.aux, final=r.final)
-            for r in iter_shards(folder, header)]
-    target = load_target(resolve(args.target))
-    embed = target.get_input_embeddings().weight.detach().float()
-    lm = target.get_output_embeddings().weight.detach().float()
+    inp = heldout_inputs(args.data, resolve(args.target))
+    held, embed, lm = inp.examples, inp.embed_w, inp.lm_head_w
     rows = []
     for path in args.drafter:
-        _, drafter, _ = load_drafter(path)
+        cfg, drafter, _ = load_drafter(path)
+        if tuple(cfg.target_layer_ids) != inp.layer_ids:
+            raise SystemExit(f"{path}: target layers {cfg.target_layer_ids} != the shards' "
+                             f"{list(inp.layer_ids)}")
         drafter = drafter.float().eval()
         k = drafter.config.num_draft_tokens
         totals = {p: WalkTotals() for p in POLICIES}

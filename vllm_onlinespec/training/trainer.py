@@ -117,6 +117,31 @@ def load_target(path: str, dtype: str = "float32") -> nn.Module:
     return model
 
 
+@dataclass
+class HeldoutInputs:
+    """What the offline benchmarks evaluate a drafter on: a training run's held-out answers
+    with their features, and the target's embedding and LM head (float32)."""
+
+    layer_ids: tuple[int, ...]  # the target layers the shards' aux features come from
+    examples: list[Example]
+    embed_w: Tensor
+    lm_head_w: Tensor
+
+
+def heldout_inputs(data_dir: str | Path, target_path: str) -> HeldoutInputs:
+    """DATA_DIR/heldout's feature shards as Examples, with the target's shared matrices."""
+    from .shards import iter_shards, read_manifest
+
+    folder = Path(data_dir) / "heldout"
+    header = read_manifest(folder).header
+    held = [Example(ids=r.ids, start=r.start, aux=r.aux, final=r.final)
+            for r in iter_shards(folder, header)]
+    target = load_target(target_path)
+    return HeldoutInputs(tuple(header.layer_ids), held,
+                         target.get_input_embeddings().weight.detach().float(),
+                         target.get_output_embeddings().weight.detach().float())
+
+
 def _samples_key(samples: Sequence[Sample], extra: dict) -> str:
     h = hashlib.sha256(json.dumps(extra, sort_keys=True).encode())
     for s in samples:
