@@ -27,7 +27,6 @@ def main() -> int:
 
     import torch
 
-    from vllm_onlinespec.drafter import load_drafter
     from vllm_onlinespec.models import resolve
     from vllm_onlinespec.training.trainer import TrainConfig, evaluate, heldout_inputs, walk_eval
 
@@ -35,11 +34,7 @@ def main() -> int:
     inp = heldout_inputs(args.data, resolve(args.target))
     held, embed, lm = inp.examples, inp.embed_w, inp.lm_head_w
     for path in args.drafter:
-        cfg, drafter, _ = load_drafter(path)
-        if tuple(cfg.target_layer_ids) != inp.layer_ids:
-            raise SystemExit(f"{path}: target layers {cfg.target_layer_ids} != the shards' "
-                             f"{list(inp.layer_ids)}")
-        drafter = drafter.float()
+        cfg, drafter = inp.drafter(path)
         tc = TrainConfig(num_layers=cfg.num_hidden_layers, block_size=cfg.block_size,
                          length_head=False)
         ev = evaluate(drafter, None, held, embed, lm, tc)
@@ -54,4 +49,7 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    try:
+        raise SystemExit(main())
+    except ValueError as e:  # a drafter that does not fit the shards: one line, not a trace
+        raise SystemExit(f"error: {e}")

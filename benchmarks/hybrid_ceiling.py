@@ -119,7 +119,6 @@ def main() -> int:
 
     import torch
 
-    from vllm_onlinespec.drafter import load_drafter
     from vllm_onlinespec.models import resolve
     from vllm_onlinespec.training.trainer import block_accepts, heldout_inputs
 
@@ -128,11 +127,7 @@ def main() -> int:
     held, embed, lm = inp.examples, inp.embed_w, inp.lm_head_w
     rows = []
     for path in args.drafter:
-        cfg, drafter, _ = load_drafter(path)
-        if tuple(cfg.target_layer_ids) != inp.layer_ids:
-            raise SystemExit(f"{path}: target layers {cfg.target_layer_ids} != the shards' "
-                             f"{list(inp.layer_ids)}")
-        drafter = drafter.float().eval()
+        _, drafter = inp.drafter(path)
         k = drafter.config.num_draft_tokens
         totals = {p: WalkTotals() for p in POLICIES}
         for e in held:
@@ -172,4 +167,7 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    try:
+        raise SystemExit(main())
+    except ValueError as e:  # a drafter that does not fit the shards: one line, not a trace
+        raise SystemExit(f"error: {e}")

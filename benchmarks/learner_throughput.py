@@ -37,15 +37,11 @@ def main() -> int:
     from vllm_onlinespec.config import OnlineSpecConfig
     from vllm_onlinespec.learner.buffer import FeedbackRecord
     from vllm_onlinespec.learner.factory import build_learner
-    from vllm_onlinespec.training.shards import iter_shards, read_manifest
-    from vllm_onlinespec.training.trainer import load_target
+    from vllm_onlinespec.training.trainer import heldout_inputs
 
     torch.set_num_threads(args.threads)
-    folder = Path(args.data) / "heldout"
-    rows = list(iter_shards(folder, read_manifest(folder).header))
-    target = load_target(models.resolve(args.target))
-    embed = target.get_input_embeddings().weight.detach()
-    lm = target.get_output_embeddings().weight.detach()
+    inp = heldout_inputs(args.data, models.resolve(args.target))
+    rows, embed, lm = inp.examples, inp.embed_w, inp.lm_head_w
     drafter = models.shipped_drafter("smollm2-135m")
     k = 4
     results = []

@@ -34,7 +34,7 @@ from torch import Tensor, nn
 from tqdm.auto import tqdm
 
 from ..config import LossConfig
-from ..drafter import DFlashConfig, DFlashDrafter, LengthHead, save_drafter
+from ..drafter import DFlashConfig, DFlashDrafter, LengthHead, load_drafter, save_drafter
 from .blocks import LossVocab, block_loss, response_mask, sample_anchors, walk_steps
 from .features import target_features
 from .generate import Sample
@@ -126,6 +126,15 @@ class HeldoutInputs:
     examples: list[Example]
     embed_w: Tensor
     lm_head_w: Tensor
+
+    def drafter(self, path: str | Path) -> tuple[DFlashConfig, DFlashDrafter]:
+        """The drafter at `path` in float32 eval mode; refuses one that reads other target
+        layers than these shards hold (its features would be the wrong ones)."""
+        cfg, drafter, _ = load_drafter(path)
+        if tuple(cfg.target_layer_ids) != self.layer_ids:
+            raise ValueError(f"{path}: target layers {list(cfg.target_layer_ids)} != the "
+                             f"shards' {list(self.layer_ids)}")
+        return cfg, drafter.float().eval()
 
 
 def heldout_inputs(data_dir: str | Path, target_path: str) -> HeldoutInputs:
