@@ -6,7 +6,8 @@
 Walks each held-out greedy answer of a training run's feature shards as serving does
 (training.blocks.walk_steps: a step commits its accepted drafts + 1) with four proposers:
   dflash       the drafter alone (training.trainer.block_accepts: a block at every position)
-  ngram        prompt lookup alone, vLLM's rule (`ngram_propose`): the longest suffix n-gram
+  ngram        prompt lookup alone, vLLM's rule (drafter/prompt_lookup.propose, what
+               serving's `prompt_lookup` runs): the longest suffix n-gram
                of the context (prompt_lookup_min..max = 2..4, as drafter_served.py serves it)
                at its earliest earlier occurrence, and the K tokens after it
   ngram-first  prompt lookup where it proposes K tokens, the drafter elsewhere (a rule a
@@ -26,23 +27,10 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from vllm_onlinespec.drafter.prompt_lookup import propose
 from vllm_onlinespec.training.blocks import walk_steps
 
 POLICIES = ("dflash", "ngram", "ngram-first", "oracle")
-
-
-def ngram_propose(tokens: Sequence[int], k: int, n_min: int = 2, n_max: int = 4) -> list[int]:
-    """vLLM's prompt lookup (v1/spec_decode/ngram_proposer.py): the longest n in [n_min, n_max]
-    whose last n tokens occur earlier, at the earliest such occurrence; the <= k tokens after
-    it. [] when no n-gram of n_min tokens recurs."""
-    t = list(tokens)
-    n_len = len(t)
-    for n in range(min(n_max, n_len - 1), n_min - 1, -1):
-        suffix = t[n_len - n:]
-        for j in range(n_len - n):  # j < n_len - n: never the suffix itself
-            if t[j:j + n] == suffix:
-                return t[j + n:j + n + k]
-    return []
 
 
 def accepted_run(proposal: Sequence[int], truth: Sequence[int]) -> int:
@@ -91,7 +79,7 @@ def walk_policies(ids: Sequence[int], start: int, dflash: Sequence[int], k: int,
     ng, ng_len = [], []
     for i in range(len(dflash)):
         p = start + i  # the block's known token; drafts are p+1 .. p+k
-        prop = ngram_propose(ids[:p + 1], k, n_min, n_max)
+        prop = propose(ids[:p + 1], k, n_min, n_max)
         ng.append(accepted_run(prop, ids[p + 1:p + 1 + k]))
         ng_len.append(len(prop))
     out = {}

@@ -10,16 +10,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 import hybrid_ceiling as H  # noqa: E402
 
 
-def test_ngram_propose_longest_then_earliest_match():
-    # suffix [1, 2, 3] recurs at 0 (and [2, 3] at 4): the 3-gram wins, its next tokens follow
-    assert H.ngram_propose([1, 2, 3, 9, 2, 3, 7, 1, 2, 3], k=2) == [9, 2]
-    # only the 2-gram [5, 6] recurs, first at 0 then at 3: the earliest occurrence
-    assert H.ngram_propose([5, 6, 1, 5, 6, 2, 8, 5, 6], k=3) == [1, 5, 6]
-    assert H.ngram_propose([1, 2, 3, 4], k=4) == []  # nothing recurs
-    assert H.ngram_propose([4, 4], k=4) == []  # shorter than a suffix plus an earlier copy
-    assert H.ngram_propose([7, 8, 9, 7, 8], k=4) == [9, 7, 8]  # up to the context's end
-
-
 def test_accepted_run_stops_at_first_miss():
     assert H.accepted_run([1, 2, 3], [1, 2, 4]) == 2
     assert H.accepted_run([], [1]) == 0

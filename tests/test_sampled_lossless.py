@@ -6,7 +6,11 @@
 - the second token of each request (decided by the rejection sampler) follows the target's
   distribution at temperature 1, with top_k and with top_p (chi-square over (t1, t2) pairs);
 - seeded requests reproduce, also with a prompt long enough to be chunk-prefilled;
-- requests with top_k at their last token (drafts trimmed to none) do not kill the engine.
+- requests with top_k at their last token (drafts trimmed to none) do not kill the engine;
+- prompt lookup (on here, as eager as it goes: a 1-token match, any length) replaces the
+  drafter's block where the text repeats: greedy rows stay the target's, and a sampled stream
+  whose second token is mostly verified against lookup's drafts follows the target's
+  distribution.
 
 Both vLLM-CPU defects this guards against (cpu_defects.py) fail these tests by a wide margin:
 random per-token temperatures (chi2 p ~ 0, argmax drawn far too rarely), an engine crash on
@@ -30,6 +34,9 @@ MAX_BATCHED = 256  # a prompt over this many tokens is chunk-prefilled
 # p-value floor: the tests are seeded (deterministic); a correct sampler gave p >= 0.05 in every
 # configuration measured, a broken one p < 1e-30.
 P_FLOOR = 1e-3
+LOOKUP = {"enabled": True, "min_n": 1, "min_tokens": 1}
+# The answer repeats the prompt: its first token recurs there, so lookup drafts the second.
+REPEAT_PROMPT = "Repeat after me: I like green apples. I like green apples. I like green apples."
 SPECS = {"T1": dict(temperature=1.0), "top_k": dict(temperature=1.0, top_k=20),
          "top_p": dict(temperature=0.8, top_p=0.8)}
 
@@ -99,24 +106,25 @@ def check_mixed_batch(llm, hf) -> None:
         assert len(o.outputs[0].token_ids) == 24
 
 
-def draw_pairs(llm, spec_kw: dict, n: int = N_DRAWS, seed0: int = 0) -> tuple[list[int], list]:
+def draw_pairs(llm, spec_kw: dict, n: int = N_DRAWS, seed0: int = 0,
+               prompt: str = DIST_PROMPT) -> tuple[list[int], list]:
     from vllm import SamplingParams
 
     # max_tokens K + 2: after t1 there is room for K drafts, so t2 is a verified position (with
     # max_tokens 2 the scheduler trims every draft and t2 comes from the plain sampler).
     params = [SamplingParams(max_tokens=K + 2, seed=seed0 + i, **spec_kw) for i in range(n)]
-    outs = llm.chat([chat(DIST_PROMPT)] * n, params, use_tqdm=False)
+    outs = llm.chat([chat(prompt)] * n, params, use_tqdm=False)
     pairs = [tuple(o.outputs[0].token_ids[:2]) for o in outs]
     assert all(len(p) == 2 for p in pairs)
     return list(outs[0].prompt_token_ids), pairs
 
 
-def fit(llm, hf, name: str):
+def fit(llm, hf, name: str, prompt: str = DIST_PROMPT):
     from vllm_onlinespec.bench.sampling import (SamplingParamsSpec, goodness_of_fit,
                                                 pair_probabilities)
 
     kw = SPECS[name]
-    prompt_ids, pairs = draw_pairs(llm, kw)
+    prompt_ids, pairs = draw_pairs(llm, kw, prompt=prompt)
     expected = pair_probabilities(hf, prompt_ids, SamplingParamsSpec(**kw), N_DRAWS)
     return goodness_of_fit(pairs, expected)
 
@@ -129,7 +137,8 @@ def spec_drafts(llm) -> float:
 @pytest.fixture(scope="module")
 def llm(smollm2_path, tmp_path_factory):
     drafter = make_drafter(smollm2_path, str(tmp_path_factory.mktemp("sampled") / "drafter"))
-    engine = make_llm(smollm2_path, drafter, {"enabled": False, "length_head": {"policy": "fixed"}})
+    engine = make_llm(smollm2_path, drafter, {"enabled": False, "length_head": {"policy": "fixed"},
+                                              "prompt_lookup": LOOKUP})
     yield engine
     engine.llm_engine.engine_core.shutdown()
 
@@ -180,3 +189,32 @@ def test_top_k_requests_at_their_last_tokens_survive(llm):
                     [SamplingParams(temperature=1.0, top_k=5, max_tokens=2, seed=i) for i in range(8)],
                     use_tqdm=False)
     assert all(len(o.outputs[0].token_ids) == 2 for o in outs)
+
+
+def test_lookup_drafts_keep_greedy_rows_the_targets(llm, hf_target):
+    from vllm import SamplingParams
+
+    from vllm_onlinespec.serving.stats import fetch
+
+    before = fetch(llm)
+    outs = llm.chat([chat(REPEAT_PROMPT), chat(GREEDY_PROMPTS[0])],
+                    SamplingParams(temperature=0.0, max_tokens=32), use_tqdm=False)
+    for o in outs:
+        got = list(o.outputs[0].token_ids)
+        assert got == hf_greedy(hf_target, list(o.prompt_token_ids), len(got)), o.prompt
+    after = fetch(llm)
+    assert after.lookup_rows > before.lookup_rows, "lookup never drafted: the test measured nothing"
+    assert after.lookup_accepted > before.lookup_accepted
+
+
+def test_sampled_tokens_verified_against_lookup_drafts_follow_the_target(llm, hf_target):
+    from vllm_onlinespec.serving.stats import fetch
+
+    before = fetch(llm)
+    res = fit(llm, hf_target, "T1", prompt=REPEAT_PROMPT)
+    print(f"lookup T1: {res.summary()}")
+    # Most second tokens were verified against lookup's drafts, not the drafter's.
+    assert fetch(llm).lookup_rows - before.lookup_rows >= N_DRAWS // 2
+    assert res.bins >= 3, res
+    assert res.p_value > P_FLOOR, res.summary()
+    assert abs(res.z_top) < 4, res.summary()

@@ -11,6 +11,9 @@
                                  weights, so shadow vs frozen is the learner's cost to serving
     fixed | adaflash | budget    learning on (ogd) with that verify-length policy
     frozen-adaflash, ...         a policy without learning
+    <arm>+lookup                 any of our DFlash arms with prompt lookup where the request's own
+                                 text predicts what follows (config `prompt_lookup`), the drafter
+                                 elsewhere: frozen+lookup, online-ogd+lookup, ...
 
 Every learning arm starts from the same drafter weights and uses the same online settings
 (`online` below), so arms differ only in what their name says. Learning arms checkpoint into
@@ -63,8 +66,18 @@ def _policy(name: str) -> dict:
     return {"policy": name, "k_min": 0} if name == "budget" else {"policy": name}
 
 
+LOOKUP_SUFFIX = "+lookup"
+
+
 def _parse(name: str) -> tuple[str, dict | None]:
     """(method, onlinespec overrides or None) for an arm name."""
+    if name.endswith(LOOKUP_SUFFIX):
+        method, over = _parse(name[: -len(LOOKUP_SUFFIX)])
+        if over is None:  # only our worker runs the hybrid (vLLM's own arms have no hook)
+            raise ValueError(f"arm {name!r}: {LOOKUP_SUFFIX} goes with this project's DFlash "
+                             "arms (frozen, online-<algorithm>, shadow, a policy), not "
+                             f"{name[: -len(LOOKUP_SUFFIX)]!r}")
+        return method, {**over, "prompt_lookup": {"enabled": True}}
     if name == "nospec":
         return "none", None
     if name == "ngram":
@@ -84,7 +97,7 @@ def _parse(name: str) -> tuple[str, dict | None]:
     raise ValueError(f"unknown arm {name!r}; known: nospec, ngram, vllm-dflash, vllm-dynamic, "
                      "frozen, shadow, "
                      + ", ".join(f"online-{a}" for a in ALGORITHMS) + ", "
-                     + ", ".join(POLICIES) + ", frozen-<policy>")
+                     + ", ".join(POLICIES) + ", frozen-<policy>, and <our arm>+lookup")
 
 
 def _merge(base: dict, over: dict) -> dict:
@@ -139,7 +152,7 @@ def make_arm(name: str, *, target: str, prompts: str, out_dir: str | Path,
     if over is not None:
         base = online if online is not None else DEFAULT_ONLINE
         onlinespec = _merge(base, over) if over.get("enabled", True) else _merge(
-            {k2: v for k2, v in base.items() if k2 == "length_head"}, over)
+            {k2: v for k2, v in base.items() if k2 in ("length_head", "prompt_lookup")}, over)
         if onlinespec.get("enabled", True) and "dir" not in onlinespec.get("checkpoint", {}):
             onlinespec.setdefault("checkpoint", {})["dir"] = str(checkpoint_dir(out_dir, name))
     return ArmSpec(name=name, target=target, prompts=str(prompts),

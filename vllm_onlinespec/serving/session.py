@@ -4,6 +4,7 @@
     serving/feedback.py  one step's verification -> feedback records -> the learner's buffer
     serving/publish.py   the learner's newest snapshot -> vLLM's drafter, between steps
     policy/cutter.py     the length head -> the verify-length policy -> each cut draft
+    drafter/prompt_lookup.py  where the request's own text predicts more, lookup's draft instead
     serving/metrics.py   the figures (serving/stats.py) -> a file the API server exports
     serving/guard.py     every hook's failures and silent skips, counted
 
@@ -23,6 +24,7 @@ import torch
 from torch import nn
 
 from vllm_onlinespec.config import OnlineSpecConfig
+from vllm_onlinespec.drafter import prompt_lookup
 from vllm_onlinespec.policy.cutter import DraftCutter
 from vllm_onlinespec.serving import compat
 from vllm_onlinespec.serving import guard as G
@@ -43,6 +45,9 @@ __all__ = ["OnlineSession", "config_from_vllm"]  # config_from_vllm: old import 
 
 class OnlineSession:
     feature_log = None  # training/feature_log.FeatureLogWriter when `features.dir` is set
+    lookup = None  # config.PromptLookupConfig when prompt lookup is on
+    _lookup_pending: set[str] = frozenset()  # type: ignore[assignment]
+    lookup_rows = lookup_drafted = lookup_accepted = 0
 
     def __init__(self, runner: Any, cfg: OnlineSpecConfig, guard: HookGuard | None = None) -> None:
         self.cfg = cfg
@@ -67,6 +72,11 @@ class OnlineSession:
         self.resumed_from: str | None = None
         # The version of vLLM's drafter that proposed the drafts the next step verifies.
         self._drafted_by = 0
+        self.lookup = cfg.prompt_lookup if cfg.prompt_lookup.enabled else None
+        # Requests whose draft for the next verification came from prompt lookup, not the
+        # drafter: the verify-length policy and the length head must not learn from them.
+        self._lookup_pending: set[str] = set()
+        self.lookup_rows = self.lookup_drafted = self.lookup_accepted = 0
 
         drafter_path = str(drafter_dir(runner.vllm_config, cfg))  # a hub id: vLLM's snapshot
         head, trusted = self._build(runner, drafter_path)
@@ -99,7 +109,7 @@ class OnlineSession:
     def wants_feedback(self) -> bool:
         """A learner, a tracer, or a verify policy that keeps acceptance statistics (every
         policy but 'fixed', learning on or off) needs each step's verification."""
-        return (self.learner is not None or self.tracer is not None
+        return (self.learner is not None or self.tracer is not None or self.lookup is not None
                 or self.feature_log is not None or self.cutter.policy_name != "fixed")
 
     # -- set-up ---------------------------------------------------------------------------------
@@ -260,7 +270,7 @@ class OnlineSession:
             self.guard.skip(G.NO_SAMPLER_OUTPUT)
             return
         accepted = compat.accepted_counts(sampled, view.num_draft_tokens)
-        self.cutter.observe(view.num_draft_tokens, accepted, view.req_ids)
+        self.cutter.observe(self._drafter_rows(view, accepted), accepted, view.req_ids)
         self.cutter.forget(view.finished_req_ids)
         if self.tracer is not None:
             self.tracer.record(view, accepted, sampled)
@@ -276,6 +286,22 @@ class OnlineSession:
             for rid in view.finished_req_ids:
                 self.buffer.finish(rid)
             self.learner.notify()
+
+    def _drafter_rows(self, view: compat.StepView, accepted: list[int]) -> list[int] | None:
+        """Draft tokens verified per request, 0 where prompt lookup drafted (counted apart):
+        the verify-length policy and the head score the drafter's blocks only."""
+        drafted, pending, self._lookup_pending = view.num_draft_tokens, self._lookup_pending, set()
+        if not pending or drafted is None:
+            return drafted
+        out = []
+        for rid, d, a in zip(view.req_ids, drafted, accepted):
+            if rid in pending and d:
+                self.lookup_rows += 1
+                self.lookup_drafted += d
+                self.lookup_accepted += a
+                d = 0
+            out.append(d)
+        return out
 
     def _publish(self) -> None:
         if not self.cfg.enabled:
@@ -313,8 +339,26 @@ class OnlineSession:
             self.guard.skip(G.NON_LIST_DRAFTS)
             return drafts
         req_ids = getattr(drafts, "req_ids", None)  # lets the next step's verification score the head
-        drafts.draft_token_ids = self.cutter.cut(ids, list(req_ids) if req_ids else None)
+        req_ids = list(req_ids) if req_ids else None
+        cut = self.cutter.cut(ids, req_ids)
+        if self.lookup is not None and req_ids is not None:
+            cut = self._prompt_lookup(ids, cut, req_ids)
+        drafts.draft_token_ids = cut
         return drafts
+
+    def _prompt_lookup(self, uncut: list[list[int]], cut: list[list[int]],
+                       req_ids: list[str]) -> list[list[int]]:
+        """Lookup's proposal where the request's text predicts at least `min_tokens`, else the
+        drafter's cut block. Capped at the drafter's uncut length: the step's draft length
+        (the budget's gate may have asked for k < K, or none)."""
+        cfg = self.lookup
+        caps = [len(d) for d in uncut]
+        history = compat.request_tokens(self.runner, req_ids)
+        props = [prompt_lookup.propose(h, c, cfg.min_n, cfg.max_n) if c else []
+                 for h, c in zip(history, caps)]
+        choice = prompt_lookup.choose_drafts(cut, props, caps, cfg.min_tokens)
+        self._lookup_pending = {r for r, u in zip(req_ids, choice.from_lookup) if u}
+        return choice.drafts
 
     # -- reading ----------------------------------------------------------------------------------
     def stats(self) -> OnlineSpecStats:
@@ -327,6 +371,8 @@ class OnlineSession:
             cost_a_s=cm.a if cm is not None else None,
             cost_b_s_per_token=cm.b if cm is not None else None,
             resumed_from=self.resumed_from, hooks=self.guard.stats(),
+            lookup_rows=self.lookup_rows, lookup_drafted=self.lookup_drafted,
+            lookup_accepted=self.lookup_accepted,
             cutter=CutterStats(policy=c.policy_name, head=c.head_state, drafted=c.drafted,
                                verified=c.verified, last_reason=c.last_reason,
                                head_updates=c.head_version, head_labels=c.feedback.labels,
@@ -354,6 +400,7 @@ class OnlineSession:
     def info(self) -> dict[str, str]:
         return {"algorithm": self.cfg.algorithm, "learning": str(self.cfg.enabled),
                 "verify_policy": self.cfg.length_head.policy, "K": str(self.K),
+                "prompt_lookup": str(self.lookup is not None),
                 "length_head": self.cutter.head_state}
 
     def flush_features(self) -> int:

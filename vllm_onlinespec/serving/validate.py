@@ -28,6 +28,13 @@ def config_from_vllm(vllm_config: Any) -> OnlineSpecConfig:
     if cfg.oracle.accept_len is not None and cfg.oracle.accept_len > k + 1:
         raise ConfigError(f"onlinespec.oracle.accept_len: must be <= num_speculative_tokens + 1 "
                           f"= {k + 1} (got {cfg.oracle.accept_len:g})")
+    if cfg.prompt_lookup.enabled and vc.draft_sample_method(vllm_config) != "greedy":
+        # The rejection sampler would weigh lookup's tokens by the drafter's probabilities of
+        # other tokens: not the target's distribution any more.
+        raise ConfigError(
+            f"onlinespec.prompt_lookup: needs draft_sample_method 'greedy' in "
+            f"--speculative-config (got {vc.draft_sample_method(vllm_config)!r}): the rejection "
+            f"sampler reads the drafter's probabilities, which lookup's tokens do not have")
     return cfg
 
 

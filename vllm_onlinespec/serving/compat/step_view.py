@@ -84,3 +84,12 @@ def with_spec_tokens(scheduler_output: Any, k: int) -> Any:
     import dataclasses
 
     return dataclasses.replace(scheduler_output, num_spec_tokens_to_schedule=k)
+
+
+def request_tokens(runner: Any, req_ids: list[str]) -> list[Any]:
+    """Each request's committed token ids (prompt + output, this step's sampled tokens
+    included: `_bookkeeping_sync` writes them before vLLM drafts), as views of the input
+    batch's host array (gpu_model_runner.py, what vLLM's own ngram proposer reads)."""
+    ib = runner.input_batch
+    rows = [ib.req_id_to_index[r] for r in req_ids]
+    return [ib.token_ids_cpu[i, : int(ib.num_tokens_no_spec[i])] for i in rows]

@@ -51,3 +51,10 @@ def ours_requested(engine_args: Any) -> bool:
     worker = getattr(engine_args, "worker_cls", None)
     return (isinstance(extra, dict) and "onlinespec" in extra) or worker in WORKER_NAMES
 
+
+
+def draft_sample_method(vllm_config: Any) -> str:
+    """'greedy' (vLLM's default: drafts are argmax, verified without draft probabilities) or
+    'probabilistic' (the rejection sampler reads the drafter's probabilities)."""
+    spec = getattr(vllm_config, "speculative_config", None)
+    return str(getattr(spec, "draft_sample_method", "greedy") or "greedy")

@@ -1,0 +1,152 @@
+"""drafter/prompt_lookup.py and the hybrid rule as serving applies it (session.cut_drafts)."""
+
+import random
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from test_serving_hooks import bare_session, make_view
+from vllm_onlinespec.bench.arm_catalog import make_arm
+from vllm_onlinespec.config import ConfigError, OnlineSpecConfig
+from vllm_onlinespec.drafter.prompt_lookup import choose_drafts, propose
+
+
+def reference_propose(t, k, min_n=2, max_n=4):
+    """vLLM's rule written plainly: longest suffix n-gram first, earliest earlier occurrence."""
+    t = list(t)
+    for n in range(min(max_n, len(t) - 1), min_n - 1, -1):
+        suffix = t[len(t) - n:]
+        for j in range(len(t) - n):
+            if t[j:j + n] == suffix:
+                return t[j + n:j + n + k]
+    return []
+
+
+def test_propose_longest_then_earliest_match():
+    # suffix [1, 2, 3] recurs at 0 (and [2, 3] at 4): the 3-gram wins, its next tokens follow
+    assert propose([1, 2, 3, 9, 2, 3, 7, 1, 2, 3], k=2) == [9, 2]
+    # only the 2-gram [5, 6] recurs, first at 0 then at 3: the earliest occurrence
+    assert propose([5, 6, 1, 5, 6, 2, 8, 5, 6], k=3) == [1, 5, 6]
+    assert propose([1, 2, 3, 4], k=4) == []  # nothing recurs
+    assert propose([4, 4], k=4) == []  # shorter than a suffix plus an earlier copy
+    assert propose([7, 8, 9, 7, 8], k=4) == [9, 7, 8]  # up to the context's end
+    assert propose([7, 8, 9, 7, 8], k=0) == []
+    assert propose([], k=4) == [] and propose([3], k=4) == []
+    # a 1-gram counts only when min_n allows it
+    assert propose([3, 5, 3], k=2) == [] and propose([3, 5, 3], k=2, min_n=1) == [5, 3]
+
+
+def test_propose_equals_the_plain_rule_on_random_text():
+    rng = random.Random(0)
+    for _ in range(400):
+        n = rng.randint(0, 60)
+        t = [rng.randint(0, 5) for _ in range(n)]  # a small vocabulary: many matches
+        k, lo = rng.randint(0, 6), rng.randint(1, 3)
+        hi = lo + rng.randint(0, 3)
+        want = reference_propose(t, k, lo, hi)
+        assert propose(t, k, lo, hi) == want
+        assert propose(np.array(t, dtype=np.int32), k, lo, hi) == want  # the runner's array
+
+
+def test_choose_drafts_takes_lookup_only_where_it_fills_the_step():
+    drafter = [[1, 1, 1, 1], [2, 2, 2, 2], [3], []]
+    lookup = [[9, 9, 9, 9, 9], [8, 8], [7, 7, 7, 7], [6, 6, 6, 6]]
+    caps = [4, 4, 4, 0]  # row 2: the drafter's block was cut to 1, the step allowed 4; row 3: k = 0
+    c = choose_drafts(drafter, lookup, caps, min_tokens=None)
+    assert c.drafts == [[9, 9, 9, 9], [2, 2, 2, 2], [7, 7, 7, 7], []]
+    assert c.from_lookup == [True, False, True, False] and c.lookup_rows == 2
+    c = choose_drafts(drafter, lookup, caps, min_tokens=2)  # a short proposal may count
+    assert c.drafts[1] == [8, 8] and c.from_lookup == [True, True, True, False]
+
+
+class FakeInputBatch:
+    def __init__(self, histories):
+        width = max(len(h) for h in histories.values()) + 8
+        self.req_id_to_index = {r: i for i, r in enumerate(histories)}
+        self.token_ids_cpu = np.zeros((len(histories), width), dtype=np.int32)
+        self.num_tokens_no_spec = np.zeros(len(histories), dtype=np.int32)
+        for i, h in enumerate(histories.values()):
+            self.token_ids_cpu[i, :len(h)] = h
+            self.num_tokens_no_spec[i] = len(h)
+
+
+class CuttingCutter:
+    """The verify-length policy's side of the session: cuts to `keep`, records what it saw."""
+
+    def __init__(self, keep):
+        self.keep, self.observed = keep, []
+
+    def cut(self, drafts, req_ids=None):
+        return [d[:self.keep] for d in drafts]
+
+    def observe(self, drafted, accepted, req_ids=None):
+        self.observed.append(list(drafted))
+
+    def forget(self, req_ids):
+        pass
+
+    def refresh(self, snapshot, version):
+        pass
+
+
+def lookup_session(histories, keep=4, min_tokens=None):
+    cfg = OnlineSpecConfig.from_any({"prompt_lookup": {"enabled": True, "min_tokens": min_tokens}})
+    return bare_session(runner=SimpleNamespace(input_batch=FakeInputBatch(histories)),
+                        lookup=cfg.prompt_lookup, cutter=CuttingCutter(keep))
+
+
+def test_session_verifies_lookup_where_the_text_repeats_and_keeps_it_from_the_policy():
+    # "a" ends with [5, 6], seen before followed by 7 8 9 10; "b" has no repeat.
+    s = lookup_session({"a": [5, 6, 7, 8, 9, 10, 5, 6], "b": [1, 2, 3, 4]}, keep=1)
+    drafts = SimpleNamespace(req_ids=["a", "b"], draft_token_ids=[[0, 0, 0, 0], [4, 4, 4, 4]])
+    out = s.cut_drafts(drafts).draft_token_ids
+    assert out == [[7, 8, 9, 10], [4]]  # a: lookup's full block; b: the drafter's cut block
+    # The next step verifies them: a accepts 3 of its 4, b 1 of 1.
+    view = make_view(num_draft=(4, 1), sched=(5, 2))
+    s.after_step(None, view, [[7, 8, 9, 11, -1], [4, 2, -1, -1, -1]])
+    assert s.cutter.observed == [[0, 1]]  # the policy scores the drafter's block only
+    assert (s.lookup_rows, s.lookup_drafted, s.lookup_accepted) == (1, 4, 3)
+    s.after_step(None, view, [[7, -1, -1, -1, -1], [4, -1, -1, -1, -1]])
+    assert s.cutter.observed[-1] == [4, 1] and s.lookup_rows == 1  # nothing pending any more
+
+
+def test_session_lookup_respects_the_steps_draft_length():
+    s = lookup_session({"a": [5, 6, 7, 8, 9, 10, 5, 6]}, min_tokens=None)
+    # The gate asked vLLM's drafter for k = 2: lookup may verify 2 tokens, not 4.
+    out = s.cut_drafts(SimpleNamespace(req_ids=["a"], draft_token_ids=[[0, 0]])).draft_token_ids
+    assert out == [[7, 8]]
+    out = s.cut_drafts(SimpleNamespace(req_ids=["a"], draft_token_ids=[[]])).draft_token_ids
+    assert out == [[]]  # k = 0: nothing verified, lookup or not
+
+
+def test_lookup_arms_and_config(tmp_path):
+    kw = dict(target="t", prompts="p", out_dir=tmp_path, drafter="d", num_speculative_tokens=4)
+    frozen = make_arm("frozen+lookup", **kw).onlinespec
+    assert frozen["enabled"] is False and frozen["prompt_lookup"] == {"enabled": True}
+    ogd = make_arm("online-ogd+lookup", **kw).onlinespec
+    assert ogd["algorithm"] == "ogd" and ogd["prompt_lookup"] == {"enabled": True}
+    assert "prompt_lookup" not in make_arm("online-ogd", **kw).onlinespec
+    for cfg in (frozen, ogd):  # what the worker will validate
+        assert OnlineSpecConfig.from_any(cfg).prompt_lookup.enabled
+    with pytest.raises(ValueError, match=r"\+lookup goes with this project's DFlash arms"):
+        make_arm("nospec+lookup", **kw)
+    with pytest.raises(ValueError, match=r"\+lookup goes with this project's DFlash arms"):
+        make_arm("ngram+lookup", **kw)
+    with pytest.raises(ConfigError, match=r"onlinespec.prompt_lookup: max_n \(2\) must be >= min_n \(3\)"):
+        OnlineSpecConfig.from_any({"prompt_lookup": {"min_n": 3, "max_n": 2}})
+    assert OnlineSpecConfig.from_any(None).prompt_lookup.enabled is False
+
+
+def test_lookup_refuses_probabilistic_drafts():
+    from vllm_onlinespec.serving.validate import config_from_vllm
+
+    def vllm_config(method):
+        spec = SimpleNamespace(method="dflash", num_speculative_tokens=4,
+                               draft_sample_method=method)
+        return SimpleNamespace(speculative_config=spec,
+                               additional_config={"onlinespec": {"prompt_lookup": {"enabled": True}}})
+
+    assert config_from_vllm(vllm_config("greedy")).prompt_lookup.enabled
+    with pytest.raises(ConfigError, match="prompt_lookup: needs draft_sample_method 'greedy'"):
+        config_from_vllm(vllm_config("probabilistic"))
