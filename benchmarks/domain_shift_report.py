@@ -75,6 +75,14 @@ FIGS = ("tok_s", "accept_len", "accept_len_first_20", "accept_len_last_quarter",
         "accept_len_return_to_a")
 
 
+def base_arm(arm: str, base: str) -> str:
+    """The arm `arm` is compared with: nospec, or the frozen drafter served the same way
+    (online-ogd+lookup -> frozen+lookup: only learning differs)."""
+    if base == "nospec":
+        return base
+    return base + arm[arm.index("+"):] if "+" in arm else base
+
+
 def scenario_summary(seeds: dict[str, dict]) -> dict:
     per_seed = {s: arm_rows(rep) for s, rep in seeds.items()}
     arms = list(dict.fromkeys(a for rows in per_seed.values() for a in rows))
@@ -87,9 +95,10 @@ def scenario_summary(seeds: dict[str, dict]) -> dict:
                       "accept_len_return_to_a"):
                 if base == "nospec" and k != "tok_s":
                     continue
+                b = base_arm(arm, base)
                 d[f"{k}_vs_{base}"] = _stat([
-                    rows_s[arm][k] / rows_s[base][k] for rows_s in per_seed.values()
-                    if arm in rows_s and base in rows_s and rows_s[arm][k] and rows_s[base][k]])
+                    rows_s[arm][k] / rows_s[b][k] for rows_s in per_seed.values()
+                    if arm in rows_s and b in rows_s and rows_s[arm][k] and rows_s[b][k]])
         d["failed_requests"] = sum(r["failed_requests"] for r in rows)
         d["errors"] = [r["error"] for r in rows if r["error"]]
         d["per_seed"] = {s: rows_s[arm] for s, rows_s in per_seed.items() if arm in rows_s}
@@ -101,12 +110,13 @@ def tune_table(run: Path) -> list[dict]:
     rows = []
     for d in sorted((run / "tune").glob("lr-*")):
         for s, rep in seed_reports(d).items():
-            r = arm_rows(rep).get("online-ogd")
+            rows_s = arm_rows(rep)
+            r = next((v for k, v in rows_s.items() if k.split("+")[0] == "online-ogd"), None)
             if r:
                 rows.append({"lr": d.name.removeprefix("lr-"), **{k: r[k] for k in FIGS[:4]}})
     fz = seed_reports(run / "tune" / "frozen")
     for s, rep in fz.items():
-        r = arm_rows(rep).get("frozen")
+        r = next((v for k, v in arm_rows(rep).items() if k.split("+")[0] == "frozen"), None)
         if r:
             rows.append({"lr": "frozen", **{k: r[k] for k in FIGS[:4]}})
     return rows

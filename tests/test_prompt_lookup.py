@@ -90,10 +90,11 @@ class CuttingCutter:
         pass
 
 
-def lookup_session(histories, keep=4, min_tokens=None):
-    cfg = OnlineSpecConfig.from_any({"prompt_lookup": {"enabled": True, "min_tokens": min_tokens}})
-    return bare_session(runner=SimpleNamespace(input_batch=FakeInputBatch(histories)),
-                        lookup=cfg.prompt_lookup, cutter=CuttingCutter(keep))
+def lookup_session(histories, keep=4, min_tokens=None, plain=False):
+    cfg = OnlineSpecConfig.from_any({"prompt_lookup": {"enabled": True, "min_tokens": min_tokens},
+                                     "features": {"plain": plain}})
+    return bare_session(runner=SimpleNamespace(input_batch=FakeInputBatch(histories)), K=4,
+                        cfg=cfg, lookup=cfg.prompt_lookup, cutter=CuttingCutter(keep))
 
 
 def test_session_verifies_lookup_where_the_text_repeats_and_keeps_it_from_the_policy():
@@ -111,13 +112,19 @@ def test_session_verifies_lookup_where_the_text_repeats_and_keeps_it_from_the_po
     assert s.cutter.observed[-1] == [4, 1] and s.lookup_rows == 1  # nothing pending any more
 
 
-def test_session_lookup_respects_the_steps_draft_length():
-    s = lookup_session({"a": [5, 6, 7, 8, 9, 10, 5, 6]}, min_tokens=None)
-    # The gate asked vLLM's drafter for k = 2: lookup may verify 2 tokens, not 4.
-    out = s.cut_drafts(SimpleNamespace(req_ids=["a"], draft_token_ids=[[0, 0]])).draft_token_ids
-    assert out == [[7, 8]]
-    out = s.cut_drafts(SimpleNamespace(req_ids=["a"], draft_token_ids=[[]])).draft_token_ids
-    assert out == [[]]  # k = 0: nothing verified, lookup or not
+def test_session_lookup_fills_k_whatever_the_drafter_was_asked_for():
+    s = lookup_session({"a": [5, 6, 7, 8, 9, 10, 5, 6]})
+    # The budget's gate asked vLLM's drafter for k = 2, or none: a lookup match still verifies K.
+    for drafted in ([0, 0], []):
+        out = s.cut_drafts(SimpleNamespace(req_ids=["a"], draft_token_ids=[drafted]))
+        assert out.draft_token_ids == [[7, 8, 9, 10]]
+    # Shorter than K (the match runs into the end of the text): the drafter's block stays.
+    s = lookup_session({"a": [5, 6, 7, 5, 6]})  # lookup: [7, 5, 6]
+    out = s.cut_drafts(SimpleNamespace(req_ids=["a"], draft_token_ids=[[1, 1, 1, 1]]))
+    assert out.draft_token_ids == [[1, 1, 1, 1]] and not s._lookup_pending
+    # A data-generation engine never speculates.
+    s = lookup_session({"a": [5, 6, 7, 8, 9, 10, 5, 6]}, plain=True)
+    assert s.cut_drafts(SimpleNamespace(req_ids=["a"], draft_token_ids=[[]])).draft_token_ids == [[]]
 
 
 def test_lookup_arms_and_config(tmp_path):

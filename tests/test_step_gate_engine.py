@@ -1,6 +1,7 @@
 """The budget's step gate in a live engine (float32, SmolLM2 + the shipped drafter, learning
 off): steps switch between vLLM's K = 0 drafter path (gate shut) and full drafts (exploring),
-and greedy output stays the target's, token for token."""
+with prompt lookup drafting K tokens where the text repeats, also in steps the gate shut, and
+greedy output stays the target's, token for token."""
 
 import pytest
 import torch
@@ -12,7 +13,8 @@ pytestmark = pytest.mark.vllm
 K = 4
 MAX_TOKENS = 40
 PROMPTS = ["Write a short poem about the sea.", "Explain photosynthesis simply.",
-           "List five fruits and their colors.", "What is the capital of France?"]
+           "List five fruits and their colors.", "What is the capital of France?",
+           "Repeat after me: I like green apples. I like green apples. I like green apples."]
 
 
 @pytest.fixture(scope="module")
@@ -30,7 +32,8 @@ def served(smollm2_path):
                   "enabled": False,
                   # explore often: the run must switch between drafting and K = 0 many times
                   "length_head": {"policy": "budget", "k_min": 0, "explore_every": 3,
-                                  "explore_requests": 4, "head_gate_labels": 8}}})
+                                  "explore_requests": 4, "head_gate_labels": 8},
+                  "prompt_lookup": {"enabled": True, "min_n": 1, "min_tokens": 1}}})
     try:
         params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
         outs = []
@@ -55,6 +58,7 @@ def test_switching_between_k0_and_drafting_is_lossless(served, hf_target):
     # steps below K (shut, or the gate's shorter drafts) and full exploring drafts both ran
     assert c.gate_shut_steps + c.gate_short_steps > 0 and c.gate_explore_steps > 0, c
     assert served["stats"].hook_errors == 0, served["stats"].hooks
+    assert served["stats"].lookup_rows > 0 and served["stats"].lookup_accepted > 0
     assert_greedy_equal(served["outs"], hf_target, MAX_TOKENS)
 
 
