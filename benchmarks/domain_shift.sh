@@ -11,6 +11,9 @@
 #
 #   benchmarks/domain_shift.sh [SPEC_BENCH] [OUT] [SCENARIO ...]      (default: all four)
 #   LR=1e-3 benchmarks/domain_shift.sh ... shifted own aba            (skip tuning, use this lr)
+#   RECIPE='{...}' benchmarks/domain_shift.sh ...   onlinespec settings of every speculative arm,
+#       frozen and learning alike (default: the budget verify policy + prompt lookup, the best
+#       serving recipe measured on this CPU; '{}' = vLLM's drafts verified in full)
 #
 # Output: OUT/<scenario>/[seed-S/]report.{md,json} + windows; then
 #   python benchmarks/domain_shift_report.py --run OUT --out docs/results
@@ -26,6 +29,7 @@ PY=${PY:-python}
 SEEDS=${SEEDS:-0,1}
 LRS=${LRS:-3e-4 1e-3 3e-3}
 ARMS=${ARMS:-nospec,frozen,online-ogd,online-optimistic,online-ensemble}
+RECIPE=${RECIPE:-'{"length_head": {"policy": "budget", "k_min": 0}, "prompt_lookup": {"enabled": true}}'}
 DRAFTER=${DRAFTER:-$($CLI model drafter smollm2-135m)}
 COMMON=(--drafter "$DRAFTER" --arrivals "${ARRIVALS:-closed:4}" --window-s 20
         --max-tokens "${MAX_TOKENS:-96}" --num-prompts 200)
@@ -33,7 +37,10 @@ mkdir -p "$OUT"
 $PY "$ROOT/benchmarks/shift_streams.py" --spec-bench "$SPEC_BENCH" \
   --heldout "$DRAFTER/heldout_prompts.jsonl" --out "$OUT/streams" --seeds "$SEEDS"
 
-online() { echo "{\"lr\": $1, \"ensemble_lrs\": [$(${PY} -c "print(', '.join(str(x * $1) for x in (0.3, 1, 3)))")]}"; }
+# The recipe plus the lr (ensemble_lrs bracket it), as one --online JSON.
+online() { $PY -c "import json, sys; r = json.loads(sys.argv[1]); lr = float(sys.argv[2]) if len(sys.argv) > 2 else None
+if lr: r.update(lr=lr, ensemble_lrs=[x * lr for x in (0.3, 1, 3)])
+print(json.dumps(r))" "$RECIPE" "$@"; }
 
 for sc in $SCENARIOS; do
   case $sc in
@@ -42,7 +49,8 @@ for sc in $SCENARIOS; do
         "$CLI" bench "${COMMON[@]}" --prompts "$OUT/streams/tune.jsonl" --arms online-ogd \
           --online "$(online "$lr")" --out "$OUT/tune/lr-$lr"
       done
-      "$CLI" bench "${COMMON[@]}" --prompts "$OUT/streams/tune.jsonl" --arms frozen --out "$OUT/tune/frozen"
+      "$CLI" bench "${COMMON[@]}" --prompts "$OUT/streams/tune.jsonl" --arms frozen \
+        --online "$(online)" --out "$OUT/tune/frozen"
       ;;
     shifted|own)
       LR=${LR:-$($PY "$ROOT/benchmarks/domain_shift_report.py" --run "$OUT" --best-lr)}
