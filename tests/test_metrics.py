@@ -22,9 +22,12 @@ def test_collector_skips_workers_that_are_gone(tmp_path, monkeypatch):
         {"stats": {"published_version": 0}, "info": {}}))
     from vllm_onlinespec.serving.stats import LearnerStats, OnlineSpecStats
 
-    MetricsWriter().write(OnlineSpecStats(published_version=7, learner=LearnerStats(updates=3)),
+    MetricsWriter().write(OnlineSpecStats(published_version=7, learner=LearnerStats(updates=3),
+                                          lookup_drafted=12, lookup_accepted=9),
                           {"algorithm": "ogd"}, force=True)
     fams = {f.name: f for f in OnlineSpecCollector().collect()}
     version = [(s.labels["worker"], s.value) for s in fams["onlinespec:drafter_version"].samples]
     assert version == [(str(os.getpid()), 7.0)]
     assert [s.value for s in fams["onlinespec:learner_updates"].samples] == [3.0]
+    assert [s.value for s in fams["onlinespec:lookup_accepted_tokens"].samples] == [9.0]
+    assert [s.value for s in fams["onlinespec:lookup_draft_tokens"].samples] == [12.0]

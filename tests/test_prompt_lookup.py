@@ -157,3 +157,18 @@ def test_lookup_refuses_probabilistic_drafts():
     assert config_from_vllm(vllm_config("greedy")).prompt_lookup.enabled
     with pytest.raises(ConfigError, match="prompt_lookup: needs draft_sample_method 'greedy'"):
         config_from_vllm(vllm_config("probabilistic"))
+
+
+def test_demo_serves_frozen_and_online_with_the_same_recipe(tmp_path):
+    from vllm_onlinespec.bench.demo import PLANS, demo_arms
+    from vllm_onlinespec.models import shipped_drafter
+
+    drafter = str(shipped_drafter("smollm2-135m"))
+    _, specs = demo_arms(PLANS["quick"], "t", tmp_path / "s.jsonl", tmp_path, drafter)
+    by = {s.name: s.onlinespec for s in specs}
+    assert by["nospec"] is None
+    for name in ("frozen", "online-ogd"):
+        cfg = OnlineSpecConfig.from_any(by[name])
+        assert cfg.prompt_lookup.enabled and cfg.length_head.policy == "budget"
+        assert cfg.length_head.k_min == 0
+    assert OnlineSpecConfig.from_any(by["frozen"]).enabled is False

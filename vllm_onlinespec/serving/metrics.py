@@ -48,6 +48,8 @@ METRICS: dict[str, tuple[str, Callable[[OnlineSpecStats], Any], str]] = {
     "onlinespec:gate_shut_steps": ("counter", lambda s: s.cutter.gate_shut_steps, "steps the budget's gate ran vLLM's drafter at K = 0 (speculation would not pay)"),
     "onlinespec:gate_explore_steps": ("counter", lambda s: s.cutter.gate_explore_steps, "steps drafted only to keep the acceptance estimate current"),
     "onlinespec:gate_short_steps": ("counter", lambda s: s.cutter.gate_short_steps, "steps the budget's gate drafted fewer than K tokens (only those paid)"),
+    "onlinespec:lookup_draft_tokens": ("counter", lambda s: s.lookup_drafted, "draft tokens verified that came from prompt lookup instead of the drafter"),
+    "onlinespec:lookup_accepted_tokens": ("counter", lambda s: s.lookup_accepted, "of those, accepted by the target"),
 }
 
 
