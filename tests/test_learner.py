@@ -478,3 +478,61 @@ def test_block_batches_train_a_tiny_drafter_end_to_end():
     assert statuses[:3] == ["updated"] * 3 and statuses[3:] == ["no_batch"] * 2, statuses
     assert all(a >= P for anchors in seen_anchors for a in anchors), seen_anchors
     assert buf.trained_tokens == pos - K - (P + 1) and buf.fresh_count(K) == 0
+
+
+@pytest.mark.skipif(not hasattr(os, "SCHED_IDLE"), reason="SCHED_IDLE is Linux-only")
+def test_learner_priority_changes_the_calling_thread_only():
+    import threading
+
+    from vllm_onlinespec.learner.cores import lower_learner_priority
+
+    seen = {}
+
+    def run(setting):
+        seen[setting] = (lower_learner_priority(setting), os.sched_getscheduler(0),
+                         os.getpriority(os.PRIO_PROCESS, threading.get_native_id()))
+
+    for setting in ("idle", "low", "normal"):
+        t = threading.Thread(target=run, args=(setting,))
+        t.start()
+        t.join()
+    assert seen["idle"][:2] == ("SCHED_IDLE", os.SCHED_IDLE)
+    assert seen["low"][0] == "nice 19" and seen["low"][2] == 19
+    assert seen["normal"][0] is None and seen["normal"][1] == os.sched_getscheduler(0)
+    assert os.sched_getscheduler(0) != os.SCHED_IDLE  # the caller's own thread is untouched
+
+
+OMP_CHECK = r"""
+import os, threading, torch
+from vllm_onlinespec.learner.cores import keep_pinned, warm_openmp
+res = {}
+def naive():  # pinned first: the first GEMM lets Intel OpenMP bind the thread to its list
+    os.sched_setaffinity(0, {1}); a = torch.ones(256, 256); torch.mm(a, a)
+    res["naive"] = os.sched_getaffinity(0)
+    res["moved_back"] = keep_pinned({1}) and os.sched_getaffinity(0) == {1}
+def fixed():  # the learner's order: warm OpenMP, then pin
+    warm_openmp(); os.sched_setaffinity(0, {1}); a = torch.ones(256, 256); torch.mm(a, a)
+    res["fixed"] = os.sched_getaffinity(0)
+for f in (naive, fixed):
+    t = threading.Thread(target=f); t.start(); t.join()
+print(sorted(res["naive"]), res["moved_back"], sorted(res["fixed"]))
+"""
+
+
+def test_learner_stays_off_the_serving_core_under_intel_openmp_affinity():
+    """vLLM's CPU workers run with Intel OpenMP and KMP_AFFINITY=explicit,proclist=[serving
+    cores]: a thread pinned before its first GEMM ends up on the serving core."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    lib = Path(sys.prefix) / "lib" / "libiomp5.so"
+    if not lib.exists() or len(os.sched_getaffinity(0)) < 2 or not {0, 1} <= os.sched_getaffinity(0):
+        pytest.skip("needs the venv's libiomp5.so (intel-openmp) and cores 0 and 1")
+    env = {**os.environ, "LD_PRELOAD": str(lib), "OMP_NUM_THREADS": "1",
+           "KMP_AFFINITY": "granularity=fine,explicit,proclist=[0]"}
+    r = subprocess.run([sys.executable, "-c", OMP_CHECK], capture_output=True, text=True,
+                       timeout=120, env=env)
+    assert r.returncode == 0, r.stderr[-2000:]
+    line = r.stdout.strip().splitlines()[-1]
+    assert line == "[0] True [1]", line  # the runtime moved the naive thread; ours stays

@@ -247,6 +247,11 @@ class PacingConfig(_Section):
     learner_cpu_share: float = Field(
         0.5, gt=0.0, le=1.0, description="fraction of wall time the learner may be busy, in "
         "(0, 1]; enforced by sleeping after each update in proportion to its duration")
+    learner_priority: Literal["idle", "low", "normal"] = Field(
+        "normal", description="scheduling priority of the learner thread: 'idle' (SCHED_IDLE: "
+        "it runs only on CPU time serving leaves, a waking engine thread preempts it at once), "
+        "'low' (nice 19) or 'normal'. On a CPU box the learner shares its cores with vLLM's "
+        "engine core and front end, which every step waits on (learner/cores.py)")
 
 
 # Old flat keys of the root -> (section, key) they moved to. Still accepted; error messages
@@ -255,7 +260,8 @@ MOVED = {**{k: ("update", k) for k in ("algorithm", "lr", "weight_decay", "betas
                                         "ensemble_lrs", "hedge_share")},
          "eps": ("update", "adam_eps"), "hedge_eps": ("update", "hedge_lr"),
          **{k: ("pacing", k) for k in ("update_interval_s", "max_updates_per_s", "learner_threads",
-                                        "learner_cores", "learner_cpu_share")}}
+                                        "learner_cores", "learner_cpu_share",
+                                        "learner_priority")}}
 
 
 def _move_old_keys(data: Any) -> tuple[Any, dict[tuple, tuple]]:
@@ -411,6 +417,7 @@ class OnlineSpecConfig(_Section):
     learner_threads = property(lambda self: self.pacing.learner_threads)
     learner_cores = property(lambda self: self.pacing.learner_cores)
     learner_cpu_share = property(lambda self: self.pacing.learner_cpu_share)
+    learner_priority = property(lambda self: self.pacing.learner_priority)
 
     # -- construction ---------------------------------------------------------------------------
     @classmethod

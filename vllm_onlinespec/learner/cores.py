@@ -1,4 +1,4 @@
-"""Which CPU cores the learner thread runs on.
+"""Which CPU cores the learner thread runs on, and at which scheduling priority.
 
 vLLM's CPU worker binds its process to the cores it computes on (OMP_PLACES, OMP_PROC_BIND and
 the process affinity) and leaves the rest to its front end (VLLM_CPU_NUM_OF_RESERVED_CPU: one
@@ -7,12 +7,27 @@ time-share the serving core while the reserved one mostly idles: measured on the
 serving then ran at ~55% of its speed. With `learner_cores: "auto"` the learner thread moves to
 the online cores outside the worker's mask (the reserved ones), and stays put when there are
 none (a GPU worker, or a CPU worker given every core). Only the calling thread is re-pinned.
+
+The OpenMP runtime can undo that: vLLM preloads Intel OpenMP for its CPU workers with
+KMP_AFFINITY=explicit,proclist=[serving cores], and iomp binds every thread to that list the
+first time the thread calls into OpenMP (the learner's first GEMM), so a learner pinned before
+its first update trains on the serving core after all (seen on the 2-core box: every thread of
+the worker, the learner's included, allowed on core 0 only). `warm_openmp` makes that first
+call before pinning, and `keep_pinned` re-applies the mask after each update if it moved.
+
+Those reserved cores are not idle: vLLM's engine core (the scheduler, polling its workers) and
+the front end run there, and every engine step waits on them. A learner thread of the same
+priority holds the core for whole scheduler time slices, so each step waits for it (measured:
+serving at ~53 % of the frozen drafter's tok/s with learning on). `learner_priority: "idle"`
+(SCHED_IDLE) lets the learner run only on cycles serving leaves: a waking engine thread
+preempts it at once.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import threading
 from collections.abc import Iterable
 
 log = logging.getLogger(__name__)
@@ -45,6 +60,32 @@ def learner_cpus(setting: str | Iterable[int], current: set[int], online: set[in
     return set(setting)  # type: ignore[arg-type]
 
 
+def warm_openmp() -> None:
+    """Make this thread's first OpenMP call now (a small GEMM: MKL/oneDNN register the thread
+    with the OpenMP runtime, which applies its affinity list), so that pinning comes after."""
+    try:
+        import torch
+
+        a = torch.ones(64, 64)
+        torch.mm(a, a)
+    except Exception:  # noqa: BLE001 - warming is best effort; keep_pinned still checks
+        pass
+
+
+def keep_pinned(cpus: set[int] | None) -> bool:
+    """Re-apply the learner's cores if something (an OpenMP runtime) moved the thread off
+    them; True when it had moved."""
+    if not cpus or not hasattr(os, "sched_setaffinity"):
+        return False
+    try:
+        if os.sched_getaffinity(0) == cpus:
+            return False
+        os.sched_setaffinity(0, cpus)
+        return True
+    except OSError:
+        return False
+
+
 def pin_learner_thread(setting: str | Iterable[int]) -> set[int] | None:
     """Pin the calling thread per `setting`; returns the cores it now runs on (None = unchanged).
     Never raises: a refused mask (cpuset, non-Linux) leaves the thread where it was."""
@@ -62,4 +103,27 @@ def pin_learner_thread(setting: str | Iterable[int]) -> set[int] | None:
     except (OSError, ValueError) as e:
         log.warning("onlinespec: could not move the learner thread (%s); it shares the serving "
                     "cores", e)
+        return None
+
+
+def lower_learner_priority(setting: str) -> str | None:
+    """Lower the calling thread's scheduling priority: 'idle' (SCHED_IDLE), 'low' (nice 19) or
+    'normal' (unchanged). Returns what was applied (None = unchanged). Never raises: a refused
+    change (non-Linux, a seccomp profile) leaves the thread as it was, with one warning.
+    Threads the learner starts later (OpenMP teams) inherit it."""
+    if setting == "normal":
+        return None
+    try:
+        if setting == "idle" and hasattr(os, "SCHED_IDLE"):
+            os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))  # 0 = this thread
+            applied = "SCHED_IDLE"
+        else:
+            # setpriority on a thread id changes that thread only (Linux: threads are tasks).
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+            applied = "nice 19"
+        log.info("onlinespec: learner thread at %s (serving threads preempt it)", applied)
+        return applied
+    except (AttributeError, OSError) as e:
+        log.warning("onlinespec: could not lower the learner thread's priority (%s); it "
+                    "competes with serving at normal priority", e)
         return None

@@ -44,7 +44,7 @@ from typing import Any, Callable, Mapping
 
 import torch
 
-from .cores import pin_learner_thread
+from .cores import keep_pinned, lower_learner_priority, pin_learner_thread, warm_openmp
 from torch import nn
 
 from ..config import OnlineSpecConfig
@@ -129,6 +129,7 @@ class OnlineLearner:
         self.version = int(initial_version)
         self.updates = 0
         self.attempts = 0
+        self.repins = 0  # times the learner thread had to be moved back to its cores
         self.errors = 0
         self.skipped_nonfinite = 0
         self.checkpoint_errors = 0
@@ -193,7 +194,9 @@ class OnlineLearner:
         return self._thread is not None and self._thread.is_alive()
 
     def _run(self) -> None:
-        pin_learner_thread(self.cfg.learner_cores)
+        warm_openmp()  # OpenMP binds a thread on its first call: make it before pinning
+        cpus = pin_learner_thread(self.cfg.learner_cores)
+        lower_learner_priority(self.cfg.learner_priority)
         if torch.get_num_threads() != self.cfg.learner_threads:  # see module docstring
             torch.set_num_threads(self.cfg.learner_threads)
         cfg = self.cfg
@@ -207,6 +210,12 @@ class OnlineLearner:
                 status = "error"
                 self._count_failure("errors", "learner loop", e)
             busy = time.perf_counter() - t0
+            if keep_pinned(cpus):
+                self.repins += 1
+                if self.repins == 1:
+                    log.warning("onlinespec: the learner thread was moved off cores %s (an "
+                                "OpenMP runtime's affinity); moved back after each update",
+                                sorted(cpus))
             if status == "no_batch":
                 self._wake.wait(self.idle_poll_s)
                 self._wake.clear()
