@@ -50,7 +50,7 @@ DEFAULT_ONLINE: dict = {
 # benchmarks/domain_shift.sh's RECIPE): the budget verifies the drafter's tokens only where they
 # pay (its gate drafts nothing in steps that would not), and prompt lookup drafts K tokens where
 # the request's own text predicts them. Measured on 24 math word problems, 4 clients, bf16:
-# frozen 0.66-0.76x nospec, +lookup 0.73-0.86x, budget+lookup 0.87x (docs/results/lookup.md).
+# frozen 0.66-0.76x nospec, +lookup 0.73-0.86x, budget+lookup 0.87x (docs/results/lookup_probe.md).
 SERVING_RECIPE: dict = {"length_head": {"policy": "budget", "k_min": 0},
                         "prompt_lookup": {"enabled": True}}
 
