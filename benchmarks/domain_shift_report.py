@@ -200,11 +200,23 @@ def plot(summary: dict, path: Path) -> Path | None:
     return path
 
 
+def served_settings(run: Path) -> dict:
+    """The arms' onlinespec settings, protocol and lengths of the first reported scenario."""
+    for sc in ("shifted", "own", "aba"):
+        for rep_ in seed_reports(run / sc).values():
+            m = rep_.get("meta", {})
+            return {k: m.get(k) for k in ("arms", "drafter", "protocol", "max_tokens", "dtype",
+                                          "online")}
+    return {}
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--run", required=True)
     ap.add_argument("--out")
     ap.add_argument("--best-lr", action="store_true", help="print the lr chosen on `tune` and exit")
+    ap.add_argument("--notes", help="a markdown file whose text follows the page's header (the "
+                    "reading of the figures, what was not run)")
     a = ap.parse_args(argv)
     run = Path(a.run)
     if a.best_lr:
@@ -216,12 +228,18 @@ def main(argv: list[str] | None = None) -> int:
                if seed_reports(run / sc)}
     tune = tune_table(run)
     meta = {"date": datetime.date.today().isoformat(), "run": str(run),
-            "lr": best_lr(run) if any(r["lr"] != "frozen" for r in tune) else None}
+            "lr": best_lr(run) if any(r["lr"] != "frozen" for r in tune) else None,
+            "settings": served_settings(run)}
     out = Path(a.out or run)
     out.mkdir(parents=True, exist_ok=True)
     (out / "domain_shift.json").write_text(json.dumps(
         {"meta": meta, "tune": tune, "scenarios": summary}, indent=1, default=str))
     md = markdown(summary, tune, meta)
+    if a.notes:
+        head, _, rest = md.partition("\n\n")
+        md = head + "\n\n" + Path(a.notes).read_text().strip() + "\n\n" + rest
+    md += "\nSettings of the reported scenarios (bench's meta of one seed):\n\n```json\n" + \
+        json.dumps(meta["settings"], indent=1) + "\n```\n"
     png = plot(summary, out / "domain_shift.png")
     if png:
         md += f"\n![acceptance per window](domain_shift.png)\n"

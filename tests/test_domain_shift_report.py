@@ -84,3 +84,17 @@ def test_shift_streams_split_without_overlap(tmp_path):
     parts = [r["category"].split(":")[0] for r in aba]
     assert parts == ["A1"] * 3 + ["B"] * 40 + ["A2"] * 3
     assert sorted(r["id"] for r in aba if r["category"].startswith("B:")) == sorted(r["id"] for r in shifted)
+
+
+def test_arms_served_with_lookup_compare_with_the_frozen_arm_served_alike(tmp_path):
+    assert D.base_arm("online-ogd+lookup", "frozen") == "frozen+lookup"
+    assert D.base_arm("online-ogd", "frozen") == "frozen"
+    assert D.base_arm("online-ogd+lookup", "nospec") == "nospec"
+    seed = tmp_path / "shifted" / "seed-0"
+    _report(seed, [_arm(tmp_path, "nospec", [1, 1], 10.0),
+                   _arm(tmp_path, "frozen", [1.2, 1.2], 6.0),
+                   _arm(tmp_path, "frozen+lookup", [2.0, 2.0], 8.0),
+                   _arm(tmp_path, "online-ogd+lookup", [2.0, 3.0], 12.0)])
+    d = D.scenario_summary(D.seed_reports(tmp_path / "shifted"))["online-ogd+lookup"]
+    assert d["tok_s_vs_frozen"]["median"] == pytest.approx(1.5)  # against frozen+lookup's 8
+    assert d["tok_s_vs_nospec"]["median"] == pytest.approx(1.2)
