@@ -93,6 +93,9 @@ def scenario_summary(seeds: dict[str, dict]) -> dict:
         for base in ("frozen", "nospec"):  # ratios per seed (same stream), then their spread
             for k in ("tok_s", "accept_len", "accept_len_first_20", "accept_len_last_quarter",
                       "accept_len_return_to_a"):
+                if arm == "nospec":  # no acceptance; its speed vs frozen is frozen's row
+                    d[f"{k}_vs_{base}"] = None
+                    continue
                 if base == "nospec" and k != "tok_s":
                     continue
                 b = base_arm(arm, base)
