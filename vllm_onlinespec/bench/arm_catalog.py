@@ -37,9 +37,9 @@ NEVER = 10**12  # publish.every_n_updates that no run reaches
 # the second half). The learner only ever trains on fresh tokens, once, so the data per token is
 # what limits it: every fresh token anchors a block (16 anchors per request, 32 blocks per
 # update) and lr is high for small online steps. ensemble_lrs bracket that lr. The learner runs
-# at SCHED_IDLE on the front end's core (docs/results/learner_priority.md: the serving arm ran
-# 61.6 tok/s with it, 56.4 at normal priority, 38.9-46.6 before the learner stayed off the
-# serving core; the frozen drafter 82).
+# at SCHED_IDLE on the front end's core (docs/results/learner_priority.md: the learning arm
+# served 78.1 tok/s with it, 38.9-46.6 before the learner stayed off the serving core; the
+# frozen drafter 81.9).
 DEFAULT_ONLINE: dict = {
     "lr": 1e-3, "batch_blocks": 32, "anchors_per_request": 16, "min_new_tokens_per_update": 16,
     "learner_cpu_share": 0.8, "learner_priority": "idle", "ensemble_lrs": [3e-4, 1e-3, 3e-3],

@@ -15,12 +15,11 @@ its first update trains on the serving core after all (seen on the 2-core box: e
 the worker, the learner's included, allowed on core 0 only). `warm_openmp` makes that first
 call before pinning, and `keep_pinned` re-applies the mask after each update if it moved.
 
-Those reserved cores are not idle: vLLM's engine core (the scheduler, polling its workers) and
-the front end run there, and every engine step waits on them. A learner thread of the same
-priority holds the core for whole scheduler time slices, so each step waits for it (measured:
-serving at ~53 % of the frozen drafter's tok/s with learning on). `learner_priority: "idle"`
-(SCHED_IDLE) lets the learner run only on cycles serving leaves: a waking engine thread
-preempts it at once.
+Those reserved cores are not idle: vLLM's engine core (the scheduler, spinning on its workers'
+queue) and the front end run there, and every engine step waits on them. `learner_priority:
+"idle"` (SCHED_IDLE) lets every serving thread preempt the learner at once; beside the spinning
+engine core it still trains (docs/results/learner_priority.md). On the serving core itself a
+SCHED_IDLE learner starves: keep it pinned.
 """
 
 from __future__ import annotations

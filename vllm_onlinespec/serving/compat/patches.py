@@ -8,8 +8,6 @@ The general plugin calls `apply_patches()` in every vLLM process. What it instal
   EngineArgs     worker selection, start-up validation, Intel OpenMP,       every process, but a
                  V1 runner, no async scheduling (engine_args.py)             pass-through unless the
                                                                              engine asks for onlinespec
-  shm readers    vLLM's message-queue readers wait on their socket instead   the engine's processes,
-                 of spinning (a learner on the front end's core gets it)     when a CPU engine learns
 
 The first three are vLLM correctness fixes that any user of a DFlash or sampling engine on CPU
 needs, so they stay on for everyone. The EngineArgs hook has to see every engine's arguments to
@@ -41,7 +39,6 @@ def apply_patches() -> None:
     _fix_cpu_sampling_defects()
     _fix_dflash_grouped_k_norm()
     _select_worker_and_validate_config()
-    _quiet_shm_readers()
 
 
 class _ToVllmLogger(logging.Handler):
@@ -126,9 +123,7 @@ def _select_worker_and_validate_config() -> None:
         if ours:
             from vllm_onlinespec.serving.validate import config_from_vllm, drafter_dir
 
-            cfg = config_from_vllm(vllm_config)
-            drafter_dir(vllm_config, cfg, allow_download=True)
-            _set_quiet_readers(cfg.enabled)  # before vLLM spawns the engine's processes
+            drafter_dir(vllm_config, config_from_vllm(vllm_config), allow_download=True)
         return vllm_config
 
     EngineArgs.create_engine_config = create_engine_config
@@ -154,53 +149,3 @@ def preload_intel_openmp() -> None:
     from vllm_onlinespec.serving import openmp
 
     _log_once(openmp.apply_for_speculative_engine().line(), key="iomp")
-
-
-# Set by the process that builds an engine, read by the engine's processes it spawns (not a
-# VLLM_* name: vLLM warns about unknown ones).
-QUIET_READERS_ENV = "ONLINESPEC_QUIET_READERS"
-
-
-def _set_quiet_readers(learning: bool) -> None:
-    """A learning engine on CPU: its processes' message-queue readers block instead of spinning
-    (`_quiet_shm_readers`). Set or cleared per engine: a process may build several."""
-    from vllm.platforms import current_platform
-
-    import os
-
-    if learning and current_platform.is_cpu():
-        os.environ[QUIET_READERS_ENV] = "1"
-    else:
-        os.environ.pop(QUIET_READERS_ENV, None)
-
-
-def _quiet_shm_readers() -> None:
-    """vLLM's shared-memory message-queue readers spin (sched_yield) for 1 s after each read
-    (shm_broadcast.py SpinCondition, busy_loop_s): the engine core spins on its CPU core for
-    the whole of every step its worker computes. On CPU that core is the one vLLM reserves for
-    its front end, where the learner thread runs (learner/cores.py): the spinner takes half of
-    it, and a learner of lower priority gets nothing. Readers then wait on the socket vLLM
-    already notifies on every write (its own idle path) and the core is the learner's between
-    steps. Measured cost to serving: see docs/results/learner_priority.md."""
-    import os
-
-    if os.environ.get(QUIET_READERS_ENV) != "1":
-        return
-    try:
-        from vllm.distributed.device_communicators import shm_broadcast
-    except ImportError:  # pragma: no cover - a vLLM without it: nothing spins there
-        return
-    cls = shm_broadcast.SpinCondition
-    if getattr(cls, "_onlinespec_quiet", False):
-        return
-    orig = cls.__init__
-
-    def __init__(self, is_reader, *args, **kwargs):
-        orig(self, is_reader, *args, **kwargs)
-        if is_reader:
-            self.busy_loop_s = 0.0  # every wait polls the notify socket: no spinning
-
-    cls.__init__ = __init__
-    cls._onlinespec_quiet = True
-    _log_once("onlinespec: vLLM's message-queue readers wait on their socket instead of "
-              "spinning (a learning engine on CPU: the learner gets the front end's idle core)")
