@@ -8,7 +8,11 @@ and writes OUT/domain_shift.{json,md,png}: per scenario and arm the median and m
 seeds of tok/s, acceptance length (whole stream, first 20 requests, last quarter; aba: the
 return to A), each against frozen and nospec, and the per-window series of every seed.
 The lr is chosen on the `tune` stream only, by the online-ogd arm's acceptance length over the
-whole stream; the other scenarios never feed back into it.
+whole stream; so is the learner's data use (LEARN_VARIANTS, scenario `tune-learn`: dense anchors,
+replay, a larger lr with them); the other scenarios never feed back into either.
+
+    python benchmarks/domain_shift_report.py --run RUN --best-learn       # the chosen variant's name
+    python benchmarks/domain_shift_report.py --run RUN --learn-json NAME  # its onlinespec keys
 """
 
 from __future__ import annotations
@@ -23,6 +27,17 @@ SCENARIOS = {"shifted": "math word problems the drafter never saw (reported stre
              "own": "held-out prompts of the drafter's own training domain",
              "aba": "own half -> shifted -> other own half (the return to A measures forgetting)",
              "tune": "the tuning stream (other math word problems): where lr was chosen"}
+
+
+# How the learner uses its data (issue 14, sample efficiency), chosen on the tune stream. Keys
+# are onlinespec config keys laid over the recipe and the lr; "lr" here overrides the tuned one.
+LEARN_VARIANTS: dict[str, dict] = {
+    "base": {},  # blocks tile the fresh tokens: each a label once, no replay
+    "dense": {"anchor_stride": 1},  # every fresh token anchors a block: a label at every position
+    "replay": {"replay": True},  # batches filled to batch_blocks from recent trained tokens
+    "dense+replay": {"anchor_stride": 1, "replay": True},
+    "dense+replay@1e-3": {"anchor_stride": 1, "replay": True, "lr": 1e-3},  # full batches: larger steps
+}
 
 
 def load(path: Path) -> dict:
@@ -50,6 +65,7 @@ def arm_rows(report: dict) -> dict[str, dict]:
             "accept_len_return_to_a": return_to_a(arm) if any(
                 q["category"].startswith("B:") for q in arm["requests"]) else None,
             "drafter_version": s["drafter_version"], "failed_requests": len(arm.get("failed", [])),
+            "learner_updates": s.get("learner_updates", 0),
             "error": s["error"], "requests": len(arm["requests"]),
             "windows": [{"t_start_s": w.get("t_start_s"), "tok_s": w["tok_s"],
                          "accept_len": w["acceptance_length"], "requests": w["prompts"],
@@ -110,26 +126,45 @@ def scenario_summary(seeds: dict[str, dict]) -> dict:
 
 
 def tune_table(run: Path) -> list[dict]:
+    """Rows of the tune stream: kind "lr" (online-ogd at each lr), "learn" (a LEARN_VARIANTS
+    entry, `lr` then the lr it ran with), "frozen"; each with the updates its learner made."""
     rows = []
-    for d in sorted((run / "tune").glob("lr-*")):
-        for s, rep in seed_reports(d).items():
-            rows_s = arm_rows(rep)
-            r = next((v for k, v in rows_s.items() if k.split("+")[0] == "online-ogd"), None)
-            if r:
-                rows.append({"lr": d.name.removeprefix("lr-"), **{k: r[k] for k in FIGS[:4]}})
-    fz = seed_reports(run / "tune" / "frozen")
-    for s, rep in fz.items():
-        r = next((v for k, v in arm_rows(rep).items() if k.split("+")[0] == "frozen"), None)
-        if r:
-            rows.append({"lr": "frozen", **{k: r[k] for k in FIGS[:4]}})
+    for kind, arm, folders in (("lr", "online-ogd", "lr-*"), ("learn", "online-ogd", "learn-*"),
+                               ("frozen", "frozen", "frozen")):
+        for d in sorted((run / "tune").glob(folders)):
+            for s, rep in seed_reports(d).items():
+                r = next((v for k, v in arm_rows(rep).items() if k.split("+")[0] == arm), None)
+                if r is None:
+                    continue
+                name = d.name.split("-", 1)[1] if kind != "frozen" else "frozen"
+                online = rep.get("meta", {}).get("online") or {}
+                rows.append({"kind": kind, "setting": name, "seed": s,
+                             "lr": name if kind == "lr" else online.get("lr", "-"),
+                             "learner_updates": r["learner_updates"],
+                             **{k: r[k] for k in FIGS[:4]}})
     return rows
 
 
-def best_lr(run: Path) -> str:
-    rows = [r for r in tune_table(run) if r["lr"] != "frozen"]
+def _best(run: Path, kind: str, what: str) -> str:
+    rows = [r for r in tune_table(run) if r["kind"] == kind]
     if not rows:
-        raise SystemExit(f"no tuning runs under {run}/tune (run the `tune` scenario or set LR)")
-    return max(rows, key=lambda r: r["accept_len"])["lr"]
+        raise SystemExit(f"no tuning runs ({kind}) under {run}/tune (run the `{what}` scenario or set "
+                         f"{'LR' if kind == 'lr' else 'LEARN'})")
+    return max(rows, key=lambda r: r["accept_len"])["setting"]
+
+
+def best_lr(run: Path) -> str:
+    return _best(run, "lr", "tune")
+
+
+def best_learn(run: Path) -> str:
+    return _best(run, "learn", "tune-learn")
+
+
+def learn_variant(name: str) -> dict:
+    if name not in LEARN_VARIANTS:
+        raise SystemExit(f"unknown learn variant {name!r} (known: {', '.join(LEARN_VARIANTS)})")
+    return LEARN_VARIANTS[name]
 
 
 def cell(st: dict | None, fmt: str = ".2f", suffix: str = "") -> str:
@@ -146,11 +181,15 @@ def markdown(summary: dict, tune: list[dict], meta: dict) -> str:
           f"({meta.get('date', '')}). Each cell: median (min-max) over the seeds (stream orders); "
           "ratios are per seed, on the same stream, then their median (min-max).", ""]
     if tune:
-        md += [f"**Tuning** (the `tune` stream only; chosen lr = {meta.get('lr')}, by online-ogd's "
-               "acceptance length over the stream):", "",
-               "| lr | tok/s | accept len | first 20 | last quarter |", "|---|---|---|---|---|"]
-        md += [f"| {r['lr']} | {r['tok_s']:.1f} | {r['accept_len']:.3f} | "
-               f"{r['accept_len_first_20']:.3f} | {r['accept_len_last_quarter']:.3f} |" for r in tune]
+        md += [f"**Tuning** (the `tune` stream only; chosen: lr = {meta.get('lr')}, learner data "
+               f"use = {meta.get('learn')}, each by online-ogd's acceptance length over the "
+               "stream; learn variants: benchmarks/domain_shift_report.py LEARN_VARIANTS):", "",
+               "| setting | lr | seed | tok/s | accept len | first 20 | last quarter | updates |",
+               "|---|---|---|---|---|---|---|---|"]
+        md += [f"| {r['kind']} {r['setting'] if r['kind'] != 'frozen' else ''} | {r['lr']} | "
+               f"{r['seed']} | {r['tok_s']:.1f} | {r['accept_len']:.3f} | "
+               f"{r['accept_len_first_20']:.3f} | {r['accept_len_last_quarter']:.3f} | "
+               f"{r['learner_updates']} |" for r in tune]
         md.append("")
     for sc, arms in summary.items():
         md += [f"## {sc}: {SCENARIOS.get(sc, '')}", "",
@@ -218,6 +257,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--run", required=True)
     ap.add_argument("--out")
     ap.add_argument("--best-lr", action="store_true", help="print the lr chosen on `tune` and exit")
+    ap.add_argument("--best-learn", action="store_true",
+                    help="print the learn variant chosen on `tune-learn` and exit")
+    ap.add_argument("--learn-json", metavar="NAME", help="print the onlinespec keys of a learn "
+                    "variant (LEARN_VARIANTS) as JSON and exit")
     ap.add_argument("--notes", help="a markdown file whose text follows the page's header (the "
                     "reading of the figures, what was not run)")
     a = ap.parse_args(argv)
@@ -225,13 +268,21 @@ def main(argv: list[str] | None = None) -> int:
     if a.best_lr:
         print(best_lr(run))
         return 0
+    if a.best_learn:
+        print(best_learn(run))
+        return 0
+    if a.learn_json:
+        print(json.dumps(learn_variant(a.learn_json)))
+        return 0
     import datetime
 
     summary = {sc: scenario_summary(seed_reports(run / sc)) for sc in ("shifted", "own", "aba")
                if seed_reports(run / sc)}
     tune = tune_table(run)
     meta = {"date": datetime.date.today().isoformat(), "run": str(run),
-            "lr": best_lr(run) if any(r["lr"] != "frozen" for r in tune) else None,
+            "lr": best_lr(run) if any(r["kind"] == "lr" for r in tune) else
+            (served_settings(run).get("online") or {}).get("lr"),
+            "learn": best_learn(run) if any(r["kind"] == "learn" for r in tune) else None,
             "settings": served_settings(run)}
     out = Path(a.out or run)
     out.mkdir(parents=True, exist_ok=True)

@@ -10,8 +10,10 @@ start_server() {
   k=$(DRAFTER_PATH="$DRAFTER" python -c "import os,_drafter; print(_drafter.num_speculative_tokens(os.environ['DRAFTER_PATH']))")
   # Same CPU defaults as the library's engine_kwargs(): eager mode, explicit 1 GiB KV cache.
   engine_args=$(python -c "from vllm_onlinespec.engine import serve_args; print(' '.join(serve_args()))")
+  # bfloat16 where the hardware computes it (GPU, AVX512-BF16/AMX), else float32 (DTYPE overrides).
+  local dtype=${DTYPE:-$(python -c "from vllm_onlinespec.serving_dtype import resolve_dtype; print(resolve_dtype('auto'))")}
   # "onlinespec" in --additional-config selects vllm_onlinespec's worker (the plugin does it).
-  vllm serve "$TARGET" --host 127.0.0.1 --port "$PORT" --dtype bfloat16 --served-model-name smollm2 \
+  vllm serve "$TARGET" --host 127.0.0.1 --port "$PORT" --dtype "$dtype" --served-model-name smollm2 \
     --speculative-config "{\"method\": \"dflash\", \"model\": \"$DRAFTER\", \"num_speculative_tokens\": $k}" \
     --additional-config "$1" "${@:2}" $engine_args >"$LOG" 2>&1 &
   SERVER=$!

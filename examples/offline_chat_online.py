@@ -44,12 +44,14 @@ def main() -> None:
 
     from vllm_onlinespec.engine import engine_kwargs
     from vllm_onlinespec.models import pull
+    from vllm_onlinespec.serving_dtype import resolve_dtype
     from vllm_onlinespec.serving.stats import fetch
 
     target = str(pull("smollm2-135m"))
     drafter = args.drafter or default_drafter()
     k = num_speculative_tokens(drafter)
-    llm = LLM(model=target, dtype="bfloat16", **engine_kwargs(), disable_log_stats=False,
+    # bfloat16 where the hardware computes it natively, else float32 (an AVX2 CPU emulates bf16).
+    llm = LLM(model=target, dtype=resolve_dtype("auto"), **engine_kwargs(), disable_log_stats=False,
               speculative_config={"method": "dflash", "model": drafter,
                                   "num_speculative_tokens": k},
               # The "onlinespec" key alone selects vllm_onlinespec's worker.

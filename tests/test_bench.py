@@ -135,15 +135,28 @@ def test_results_roundtrip_and_report(tmp_path):
         assert paths[k].stat().st_size > 1000
 
 
-def test_serving_recipe_defaults_to_bfloat16_in_help():
-    """bench, bench-serve and the arms default to bf16 (the serving recipe); float32 is a flag."""
+def test_dtype_defaults_to_what_the_hardware_computes_natively(monkeypatch):
+    """bench, bench-serve and the arms default to `auto`: bfloat16 with native bf16 (a GPU, an
+    AVX512-BF16/AMX CPU), float32 on a CPU that would emulate it; reports get the resolved
+    name; a bad one is a one-line error naming the choices."""
+    import torch
+
+    from vllm_onlinespec import serving_dtype as SD
     from vllm_onlinespec.bench.results import ArmSpec
     from vllm_onlinespec.cli import build_parser
 
-    p = build_parser()
-    for verb in ("bench", "bench-serve"):
-        sub = p._subparsers._group_actions[0].choices[verb]
-        dtype = next(a for a in sub._actions if a.dest == "dtype")
-        assert dtype.default == "bfloat16" and "float32" in dtype.choices, verb
-        assert "bfloat16 (default" in sub.format_help().replace("\n", " ").replace("  ", " "), verb
-    assert ArmSpec.__dataclass_fields__["dtype"].default == "bfloat16"
+    for native, want in ((True, "bfloat16"), (False, "float32")):
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+        monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda n=native: n,
+                            raising=False)
+        monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: False, raising=False)
+        assert SD.resolve_dtype("auto") == want and SD.resolve_dtype("float32") == "float32"
+        p = build_parser()
+        for verb in ("bench", "bench-serve"):
+            sub = p._subparsers._group_actions[0].choices[verb]
+            dtype = next(a for a in sub._actions if a.dest == "dtype")
+            assert dtype.default == "auto" and dtype.type("auto") == want, verb
+            assert "auto (default" in sub.format_help().replace("\n", " ").replace("  ", " "), verb
+        assert ArmSpec(name="a", target="t", prompts="p", out="o").dtype == want
+    with pytest.raises(ValueError, match="dtype must be one of auto, bfloat16, float32"):
+        SD.resolve_dtype("fp8")

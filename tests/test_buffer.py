@@ -362,3 +362,63 @@ def test_batch_anchors_only_on_generated_tokens_and_covers_what_it_marks(P):
     assert rounds == 3
     assert trained == set(range(max(P + 1, 2), pos - K)) and b.trained_tokens == len(trained)
     assert b.fresh_count(K) == 0 and b.fresh_tokens == K
+
+
+@pytest.mark.parametrize("stride", [1, 2])
+def test_dense_anchors_label_every_fresh_token_at_every_position(stride):
+    """anchor_stride < K: blocks overlap; every token marked trained is a label of this batch,
+    and with stride 1 each one (but the first K - 1) sits at every draft position 1..K."""
+    from vllm_onlinespec.learner.batches import make_batch_fn
+
+    K, P = 4, 10
+    b = FeedbackBuffer(window_tokens=256, max_tokens=1024)
+    b.push(prefill("a", 0, P))
+    pos = P
+    for n in (5, 5, 5, 5, 5):
+        b.push(rec("a", pos, n))
+        pos += n
+    make = make_batch_fn(batch_blocks=8, anchors_per_request=8, holdback=K, stride=stride)
+    fresh_before = b.fresh_count(K)
+    batch = make(b)
+    anchors = [a for a in batch.anchors[0].tolist() if a >= 0]
+    assert anchors == list(range(P, P + 8 * stride, stride))
+    newly = fresh_before - b.fresh_count(K)
+    assert newly == batch.num_fresh == 8 * stride  # the buffer hands out stride * anchors tokens
+    (labels,) = block_labels_of(batch, K)
+    assert set(range(P + 1, P + 1 + newly)) <= labels
+    if stride == 1:  # token t is label k of the block anchored at t - k, for every k <= K
+        for t in range(P + K, P + newly):
+            assert all(t - k in anchors for k in range(1, K + 1))
+    with pytest.raises(ValueError, match="stride"):
+        make_batch_fn(batch_blocks=8, anchors_per_request=8, holdback=K, stride=K + 1)
+
+
+def test_replay_fills_the_batch_from_trained_response_tokens_only():
+    """replay: an update with few fresh blocks is filled up to batch_blocks with anchors on
+    tokens trained before (never the prompt, never fresh ones: those stay the fresh blocks'),
+    and the buffer marks only the fresh range trained. No fresh data, no batch."""
+    from vllm_onlinespec.learner.batches import make_batch_fn
+
+    K, P = 4, 10
+    b = FeedbackBuffer(window_tokens=256, max_tokens=1024)
+    b.push(prefill("a", 0, P))
+    pos = P
+    for n in (5,) * 8:
+        b.push(rec("a", pos, n))
+        pos += n
+    plain = make_batch_fn(batch_blocks=16, anchors_per_request=16, holdback=K)
+    first = plain(b)  # trains everything trainable so far (36 tokens, 9 blocks)
+    assert first is not None and b.fresh_count(K) == 0
+    trained_to = P + 1 + first.num_fresh
+    b.push(rec("a", pos, 5))  # 5 fresh tokens: 2 blocks at stride K
+    pos += 5
+    replay = make_batch_fn(batch_blocks=16, anchors_per_request=16, holdback=K, replay=True)
+    batch = replay(b)
+    anchors = [a for a in batch.anchors[0].tolist() if a >= 0]
+    fresh = [a for a in anchors if a >= trained_to - 1]
+    old = [a for a in anchors if a < trained_to - 1]
+    assert fresh == [trained_to - 1, trained_to - 1 + K] and batch.num_fresh == 5
+    assert len(anchors) == 16 and len(set(old)) == 14
+    assert all(P <= a for a in old)  # generated tokens only
+    assert b.fresh_count(K) == 0 and b.trained_tokens == first.num_fresh + 5
+    assert replay(b) is None  # nothing fresh: no replay-only update

@@ -65,9 +65,23 @@ def test_lr_is_chosen_on_the_tuning_stream(tmp_path):
         _report(tmp_path / "tune" / f"lr-{lr}", [_arm(tmp_path, "online-ogd", [a] * 4, 15)])
     _report(tmp_path / "tune" / "frozen", [_arm(tmp_path, "frozen", [1.5] * 4, 15)])
     assert D.best_lr(tmp_path) == "1e-3"  # frozen is a reference row, never a choice
-    assert [r["lr"] for r in D.tune_table(tmp_path)][-1] == "frozen"
+    assert [r["kind"] for r in D.tune_table(tmp_path)][-1] == "frozen"
     with pytest.raises(SystemExit, match="no tuning runs"):
         D.best_lr(tmp_path / "nothing")
+
+
+def test_learn_variant_is_chosen_on_the_tuning_stream_and_never_from_lr_rows(tmp_path):
+    _report(tmp_path / "tune" / "lr-3e-4", [_arm(tmp_path, "online-ogd", [1.9] * 4, 15)])
+    for v, a in (("base", 1.2), ("dense+replay", 1.4), ("replay", 1.3)):
+        _report(tmp_path / "tune" / f"learn-{v}", [_arm(tmp_path, "online-ogd", [a] * 4, 15)])
+    assert D.best_learn(tmp_path) == "dense+replay" and D.best_lr(tmp_path) == "3e-4"
+    rows = {(r["kind"], r["setting"]) for r in D.tune_table(tmp_path)}
+    assert ("learn", "replay") in rows and ("lr", "3e-4") in rows
+    assert D.learn_variant("dense+replay") == {"anchor_stride": 1, "replay": True}
+    with pytest.raises(SystemExit, match="unknown learn variant 'denser'"):
+        D.learn_variant("denser")
+    with pytest.raises(SystemExit, match="no tuning runs"):
+        D.best_learn(tmp_path / "nothing")
 
 
 def test_shift_streams_split_without_overlap(tmp_path):

@@ -325,6 +325,15 @@ class OnlineSpecConfig(_Section):
     anchors_per_request: int = Field(
         4, ge=1, description="at most this many block anchors drawn from one request's fresh "
         "tokens per update (>= 1)")
+    anchor_stride: int | None = Field(
+        None, ge=1, description="rows between the fresh tokens that anchor blocks, in [1, K] "
+        "(None = K: the blocks tile the fresh tokens, each a label once, at one draft "
+        "position; 1 = every fresh token anchors a block, so each is a label at every draft "
+        "position 1..K: K times the blocks per fresh token)")
+    replay: bool = Field(
+        False, description="fill each update up to batch_blocks with blocks anchored on tokens "
+        "already trained on, drawn from the same requests' recent windows (the learner beside "
+        "serving gets ~20 fresh tokens between updates; replay lets it use spare CPU on them)")
     min_new_tokens_per_update: int = Field(
         16, ge=1, description="wait until the buffer holds at least this many fresh (untrained) "
         "tokens before an update (>= 1)")

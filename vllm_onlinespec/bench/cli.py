@@ -36,6 +36,7 @@ import time
 from pathlib import Path
 
 from vllm_onlinespec.bench import prompts as P
+from vllm_onlinespec.serving_dtype import resolve_dtype_arg
 
 def recipe_flags(recipe: str = "smollm2-small") -> dict:
     """A `vllm-onlinespec train` recipe as {flag: value}, without its prompt sources (the
@@ -132,9 +133,11 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     a("--wave", type=int, default=4, help="prompts served together per wave (default 4)")
     a("--max-tokens", type=int, default=128, help="answer length cap (default 128)")
     a("--max-prompt-tokens", type=int, default=512, help="skip longer prompts (default 512)")
-    a("--dtype", default="bfloat16", choices=["bfloat16", "float32"],
-      help="bfloat16 (default: the serving recipe; AVX512-BF16/AMX CPUs decode ~1.7x faster "
-      "than float32) or float32 (greedy output then identical across arms, token for token)")
+    a("--dtype", default="auto", type=resolve_dtype_arg,
+      help="auto (default: bfloat16 where the hardware computes it natively, a GPU or an "
+      "AVX512-BF16/AMX CPU, ~1.7x faster than float32 there; float32 elsewhere: an AVX2 CPU "
+      "emulates bf16, 2.6x slower), bfloat16, or float32 (greedy output then identical across "
+      "arms, token for token)")
     a("--online", default="{}", help="JSON merged into the learning arms' onlinespec settings")
     a("--arrivals", default="", metavar="closed:C|poisson:RATE",
       help="continuous serving instead of waves: C clients that each send their next request "

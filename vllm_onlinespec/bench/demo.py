@@ -160,11 +160,11 @@ def run_demo(args: argparse.Namespace) -> int:
 
     stream, what = _stream(args, plan, tok)
     stream_path = P.write_stream(stream, out / "stream.jsonl")
+    online, specs = demo_arms(plan, target, stream_path, out, str(drafter))
     print(f"[3/4] serving {len(stream)} new prompts from another domain ({what}), "
           f"{plan.arrivals.replace('closed:', '')} clients in a closed loop, greedy, up to "
-          f"{plan.max_tokens} tokens, bfloat16; arms: " + ", ".join(ARMS)
+          f"{plan.max_tokens} tokens, {specs[0].dtype}; arms: " + ", ".join(ARMS)
           + " (speculative arms: budget verify policy + prompt lookup)", flush=True)
-    online, specs = demo_arms(plan, target, stream_path, out, str(drafter))
     t = time.perf_counter()
     results = run_arms(specs, out)
     timings["serve_s"] = time.perf_counter() - t

@@ -12,6 +12,8 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from vllm_onlinespec.serving_dtype import AUTO, resolve_dtype
+
 
 @dataclass
 class ArmSpec:
@@ -25,7 +27,9 @@ class ArmSpec:
     # vLLM's scheduler-level K per batch size: [[first_bs, last_bs, K], ...], K >= 0 (None: off)
     k_per_batch_size: list[list[int]] | None = None
     onlinespec: dict | None = None  # additional_config["onlinespec"]; None = plain vLLM worker
-    dtype: str = "bfloat16"  # the serving recipe; float32 only where outputs must match exactly
+    # bfloat16 where the hardware has it, else float32 (serving_dtype.py); float32 wherever
+    # outputs must match exactly
+    dtype: str = field(default_factory=lambda: resolve_dtype(AUTO))
     wave: int = 4  # prompts per wave: one llm.chat call, batched
     max_tokens: int = 128
     max_model_len: int = 2048

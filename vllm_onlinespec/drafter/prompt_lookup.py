@@ -22,7 +22,8 @@ from numpy.lib.stride_tricks import sliding_window_view
 def propose(tokens: Sequence[int] | np.ndarray, k: int, min_n: int = 2, max_n: int = 4) -> list[int]:
     """The <= k tokens that followed the earliest earlier occurrence of the longest recurring
     suffix n-gram (n in [min_n, max_n]); [] when no suffix of min_n tokens recurs or k <= 0."""
-    t = np.asarray(tokens, dtype=np.int64)
+    # vLLM's token rows are int32 arrays: compare them as they are (no copy per step).
+    t = tokens if isinstance(tokens, np.ndarray) else np.asarray(tokens, dtype=np.int64)
     n_len = int(t.shape[0])
     if k <= 0:
         return []

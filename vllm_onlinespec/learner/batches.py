@@ -8,6 +8,17 @@ a_j = fresh_from - 1 + j*K, so every token marked trained is the label of exactl
 this batch (the last block's labels may run on into held-back tokens, which stay fresh and are
 labelled again later). Every anchor is a generated token: prompt positions are context only,
 as in the offline trainer (training.blocks.response_mask).
+
+Two ways to learn more per fresh token, for a learner with CPU to spare (it is data-starved
+beside serving: ~20 fresh tokens reach it between updates, 4-5 blocks at stride K):
+  anchor_stride < K   blocks overlap, so a fresh token is also a label at draft positions other
+                      than its own block's (stride 1: at every position 1..K, K blocks per K
+                      tokens). The fresh range a request hands out shrinks to
+                      anchors_per_request * stride tokens, all of them labels of this batch.
+  replay              the batch is filled up to batch_blocks with blocks anchored on tokens the
+                      learner trained on before, drawn uniformly from the same windows' response
+                      (recent context of requests that brought fresh tokens: replay of recent
+                      windows, without a second store).
 """
 
 from __future__ import annotations
@@ -29,27 +40,52 @@ class BlockBatch:
     num_fresh: int  # fresh tokens these windows brought (all of them are labels here)
 
 
-def pick_anchors(w: TrainingWindow, max_anchors: int, block_size: int) -> list[int]:
-    """Anchors whose blocks of `block_size` labels tile w's fresh range from its start.
+def _first_anchor(w: TrainingWindow) -> int:
+    # Anchors sit on generated tokens with a context row before them. The buffer hands out
+    # trainable tokens only, so these clamps never bind for its fresh ranges; they keep
+    # hand-made windows honest and bound replay to the response.
+    return max(CONTEXT_ROWS, w.response_from - w.start_pos)
 
-    Covers all of it when fresh_to - fresh_from <= max_anchors * block_size (what
-    BlockBatcher asks the buffer for); otherwise the first max_anchors * block_size tokens."""
+
+def pick_anchors(w: TrainingWindow, max_anchors: int, stride: int) -> list[int]:
+    """Anchors every `stride` rows from the one whose first label is w's first fresh token.
+
+    With stride = K the blocks tile the fresh range; covers all of it when fresh_to -
+    fresh_from <= max_anchors * stride (what BlockBatcher asks the buffer for); otherwise the
+    first max_anchors * stride tokens."""
     T = int(w.token_ids.shape[0])
-    # The anchor whose first label is the first fresh token. The buffer hands out trainable
-    # tokens only, so the clamps (a context row; anchors on generated tokens) never bind for
-    # its windows; they keep hand-made windows honest.
-    first = max(w.fresh_from - 1, CONTEXT_ROWS, w.response_from - w.start_pos)
+    first = max(w.fresh_from - 1, _first_anchor(w))
     stop = min(w.fresh_to, T) - 2  # the last anchor whose first label is still fresh
-    return list(range(first, stop + 1, block_size))[:max_anchors]
+    return list(range(first, stop + 1, stride))[:max_anchors]
 
 
-def windows_to_batch(windows: list[TrainingWindow], max_anchors: int,
-                     block_size: int) -> BlockBatch | None:
+def replay_anchors(w: TrainingWindow, n: int, gen: torch.Generator) -> list[int]:
+    """Up to n distinct anchors drawn uniformly from w's already-trained response tokens (the
+    rows before the first fresh anchor), sorted."""
+    lo, hi = _first_anchor(w), min(w.fresh_from - 1, int(w.token_ids.shape[0]) - 1)
+    if n <= 0 or hi <= lo:
+        return []
+    idx = torch.randperm(hi - lo, generator=gen)[:n] + lo
+    return sorted(idx.tolist())
+
+
+def windows_to_batch(windows: list[TrainingWindow], max_anchors: int, stride: int,
+                     replay_to: int = 0, gen: torch.Generator | None = None
+                     ) -> BlockBatch | None:
+    """One batch from the fresh ranges of `windows` (anchors every `stride` rows, at most
+    max_anchors per window); replay_to > 0 fills it up to that many blocks with replayed
+    anchors, spread evenly over the windows. A batch without a fresh block is None: replay only
+    ever rides along with new data."""
     windows = [w for w in windows if w.target_hidden is not None and w.num_fresh > 0]
-    picked = [(w, pick_anchors(w, max_anchors, block_size)) for w in windows]
+    picked = [(w, pick_anchors(w, max_anchors, stride)) for w in windows]
     picked = [(w, a) for w, a in picked if a]
     if not picked:
         return None
+    spare = replay_to - sum(len(a) for _, a in picked)
+    if spare > 0:
+        gen = gen if gen is not None else torch.Generator().manual_seed(0)
+        per_window = -(-spare // len(picked))
+        picked = [(w, replay_anchors(w, per_window, gen) + a) for w, a in picked]
     B = len(picked)
     T = max(int(w.token_ids.shape[0]) for w, _ in picked)
     A = max(len(a) for _, a in picked)
@@ -79,20 +115,33 @@ class BlockBatcher:
     anchors_per_request: int
     holdback: int
     block_size: int  # labels per block (K)
+    stride: int | None = None  # rows between fresh anchors (None = block_size: tiling)
+    replay: bool = False  # fill batches up to batch_blocks with replayed blocks
+    seed: int = 0  # of the replay draws
+
+    def __post_init__(self) -> None:
+        if self.stride is None:
+            self.stride = self.block_size
+        if not 1 <= self.stride <= self.block_size:
+            raise ValueError(f"anchor stride must be in [1, {self.block_size}] (the block "
+                             f"size K), got {self.stride}: a larger one leaves fresh tokens "
+                             "that no block labels")
+        self._gen = torch.Generator().manual_seed(self.seed)
 
     def __call__(self, buffer: FeedbackBuffer) -> BlockBatch | None:
         max_windows = max(1, -(-self.batch_blocks // self.anchors_per_request))
         # Take from each request only what its anchors will cover: the rest stays fresh.
         windows = buffer.sample_training_windows(
             max_windows, min_fresh=1, holdback=self.holdback,
-            max_fresh=self.anchors_per_request * self.block_size)
-        return windows_to_batch(windows, self.anchors_per_request, self.block_size)
+            max_fresh=self.anchors_per_request * self.stride)
+        return windows_to_batch(windows, self.anchors_per_request, self.stride,
+                                self.batch_blocks if self.replay else 0, self._gen)
 
 
 def make_batch_fn(batch_blocks: int, anchors_per_request: int, holdback: int, seed: int = 0,
-                  block_size: int | None = None) -> BlockBatcher:
-    """BlockBatcher; block_size defaults to holdback (K). `seed` is accepted for old callers:
-    anchors are no longer random (they tile the fresh tokens)."""
-    del seed
+                  block_size: int | None = None, stride: int | None = None,
+                  replay: bool = False) -> BlockBatcher:
+    """BlockBatcher; block_size defaults to holdback (K), stride to block_size."""
     return BlockBatcher(batch_blocks, anchors_per_request, holdback,
-                        block_size if block_size is not None else max(1, holdback))
+                        block_size if block_size is not None else max(1, holdback),
+                        stride, replay, seed)

@@ -169,7 +169,12 @@ def build_learner(cfg: OnlineSpecConfig, drafter_path: str | Path, embed_w: torc
         head = head.to(device=dev, dtype=torch.float32)
     bundle = TrainBundle(drafter, head)
     buffer = FeedbackBuffer.from_config(cfg)
-    make_batch = make_batch_fn(cfg.batch_blocks, cfg.anchors_per_request, holdback=K)
+    if cfg.anchor_stride is not None and cfg.anchor_stride > K:
+        raise ValueError(f"onlinespec: anchor_stride {cfg.anchor_stride} exceeds "
+                         f"num_speculative_tokens {K}: fresh tokens between anchors would "
+                         "never be labels")
+    make_batch = make_batch_fn(cfg.batch_blocks, cfg.anchors_per_request, holdback=K,
+                               stride=cfg.anchor_stride, replay=cfg.replay)
 
     def save_model(directory: Path) -> None:  # learner checkpoints stay loadable by vLLM
         save_drafter(directory, dcfg, bundle.drafter, bundle.length_head)
