@@ -139,7 +139,8 @@ def tune_table(run: Path) -> list[dict]:
                 name = d.name.split("-", 1)[1] if kind != "frozen" else "frozen"
                 online = rep.get("meta", {}).get("online") or {}
                 rows.append({"kind": kind, "setting": name, "seed": s,
-                             "lr": name if kind == "lr" else online.get("lr", "-"),
+                             "lr": name if kind == "lr" else
+                             online.get("lr", "-") if kind == "learn" else "-",
                              "learner_updates": r["learner_updates"],
                              **{k: r[k] for k in FIGS[:4]}})
     return rows
