@@ -19,9 +19,8 @@ def run_chat(args: argparse.Namespace) -> int:
     from vllm import LLM, SamplingParams
 
     from vllm_onlinespec.engine import engine_kwargs
-    from vllm_onlinespec.serving_dtype import resolve_dtype
 
-    llm = LLM(model=path, dtype=resolve_dtype(args.dtype), **engine_kwargs())
+    llm = LLM(model=path, dtype=args.dtype, **engine_kwargs())
     prompts = args.prompts or DEFAULT_PROMPTS
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
     t0 = time.perf_counter()

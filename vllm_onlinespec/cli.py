@@ -38,10 +38,12 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--force", action="store_true", help="rebuild even if a valid folder exists")
     m.set_defaults(func=_model)
 
+    from vllm_onlinespec.serving_dtype import resolve_dtype_arg
+
     c = sub.add_parser("chat", help="answer a few chat prompts with vLLM on the default model")
     c.add_argument("--model", default="smollm2-135m", help="known name or HF folder")
     c.add_argument("--max-tokens", type=int, default=96)
-    c.add_argument("--dtype", default="auto", help="auto (bfloat16 where the hardware computes "
+    c.add_argument("--dtype", default="auto", type=resolve_dtype_arg, help="auto (bfloat16 where the hardware computes "
                    "it natively, else float32), bfloat16 or float32")
     c.add_argument("prompts", nargs="*", help="prompts (default: three built-in ones)")
     c.set_defaults(func=_chat)

@@ -123,9 +123,9 @@ class BlockBatcher:
         if self.stride is None:
             self.stride = self.block_size
         if not 1 <= self.stride <= self.block_size:
-            raise ValueError(f"anchor stride must be in [1, {self.block_size}] (the block "
-                             f"size K), got {self.stride}: a larger one leaves fresh tokens "
-                             "that no block labels")
+            raise ValueError(f"onlinespec: anchor_stride must be in [1, {self.block_size}] "
+                             f"(num_speculative_tokens), got {self.stride}: a larger one "
+                             "leaves fresh tokens that no block labels")
         self._gen = torch.Generator().manual_seed(self.seed)
 
     def __call__(self, buffer: FeedbackBuffer) -> BlockBatch | None:
