@@ -37,6 +37,13 @@ LEARN_VARIANTS: dict[str, dict] = {
     "replay": {"replay": True},  # batches filled to batch_blocks from recent trained tokens
     "dense+replay": {"anchor_stride": 1, "replay": True},
     "dense+replay@1e-3": {"anchor_stride": 1, "replay": True, "lr": 1e-3},  # full batches: larger steps
+    # The learner's matmul dtype (learner_compute_dtype; the variants above use the default,
+    # "auto": bf16 autocast where the CPU computes bf16 natively): float32 as before it existed.
+    "replay+fp32": {"replay": True, "learner_compute_dtype": "float32"},
+    "replay@1e-3": {"replay": True, "lr": 1e-3},  # faster updates: more of them, larger steps?
+    # Each publish loads and re-packs vLLM's drafter weights on the engine thread (~10 ms on
+    # the 2-core box, ~3.5 % of serving at one publish per update): publish every 4th update.
+    "replay+publish-every-4": {"replay": True, "publish": {"every_n_updates": 4}},
 }
 
 

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from vllm_onlinespec.config import OnlineSpecConfig
-from vllm_onlinespec.learner.algorithms import (OGD, HedgeEnsemble, Optimistic,
+from vllm_onlinespec.learner.algorithms import (OGD, HedgeEnsemble, NonFiniteUpdate, Optimistic,
                                                 OptimisticMomentum, make_algorithm)
 
 
@@ -295,3 +295,43 @@ def test_make_algorithm_passes_hedge_share_and_eta():
     h = make_algorithm(cfg, params())
     assert h.eta == 0.3 and h.share == 0.02
     assert OnlineSpecConfig.from_any({}).hedge_share == 0.01
+
+
+def test_all_finite_finds_any_inf_or_nan_in_any_tensor():
+    from vllm_onlinespec.learner.algorithms import all_finite
+
+    ts = [torch.randn(100, 7), torch.randn(3), torch.randn(2, 2, 2).bfloat16()]
+    assert all_finite(ts) and all_finite([])
+    for bad in (float("nan"), float("inf"), float("-inf")):
+        for j in range(len(ts)):
+            broken = [t.clone() for t in ts]
+            broken[j].view(-1)[-1] = bad
+            assert not all_finite(broken), (bad, j)
+    mixed = [torch.tensor([float("inf"), float("-inf")])]  # sums to nan, still caught
+    assert not all_finite(mixed)
+
+
+def test_undo_buffers_are_reused_and_restores_stay_exact():
+    """The snapshot copies live in buffers the next update reuses (no allocation per update),
+    and a failed step still restores the previous update's result bit for bit."""
+    ps = params()
+    alg = OGD(ps, lr=1e-2)
+    stream = grads_stream(4)
+    alg.step_closure(lambda: (0.0, stream[0]))  # creates the Adam moments (lazy slots)
+    alg.step_closure(lambda: (0.0, stream[3]))
+    bufs = [b.data_ptr() for b in alg._undo_buffers]
+    assert len(bufs) == 3 * len(ps)  # p, exp_avg, exp_avg_sq of each parameter
+    before = [p.clone() for p in ps]
+    state = [{k: v.clone() for k, v in st.items()} for st in alg.state]
+
+    def fail():
+        raise NonFiniteUpdate("refused")
+
+    with pytest.raises(NonFiniteUpdate):
+        alg.step_closure(lambda: (0.0, stream[1]), check=fail)
+    assert [b.data_ptr() for b in alg._undo_buffers] == bufs
+    assert all(torch.equal(a, b) for a, b in zip(ps, before))
+    assert all(torch.equal(st[k], v) for st, old in zip(alg.state, state) for k, v in old.items())
+    assert alg.t == 2
+    alg.step_closure(lambda: (0.0, stream[2]))
+    assert [b.data_ptr() for b in alg._undo_buffers] == bufs and alg.t == 3

@@ -137,12 +137,13 @@ def test_cpu_learner_reads_the_target_head_in_place(tmp_path):
 
 def test_bf16_head_trains_a_float32_drafter_like_a_float32_copy(tmp_path):
     """The bf16 head in place (cast per slice inside the loss) gives the loss that a float32
-    copy of the same bf16 values gives, and a finite one."""
+    copy of the same bf16 values gives, and a finite one (float32 matmuls: no autocast)."""
     path = write_drafter(tmp_path / "d")
     emb16, lm16 = targets(torch.bfloat16)
     runs = {}
     for name, (emb, lm) in {"bf16": (emb16, lm16), "fp32": (emb16.float(), lm16.float())}.items():
-        parts = build_learner(cfg(), path, emb, lm, K, train_length_head=True)
+        parts = build_learner(cfg(learner_compute_dtype="float32"), path, emb, lm, K,
+                              train_length_head=True)
         assert parts.learner.loss_fn.lm_head_w is lm
         assert {p.dtype for p in parts.learner.params} == {torch.float32}
         feed(parts.buffer)
@@ -196,3 +197,51 @@ def test_online_loss_vocabulary_grows_with_the_feedback(tmp_path):
     assert full.learner.sync_step() == "updated", full.learner.last_error
     with pytest.raises(ConfigError, match="vocab"):
         cfg(loss={"vocab": "most"})
+
+
+def test_bf16_autocast_updates_match_float32_updates_within_tolerance(tmp_path):
+    """learner_compute_dtype "bfloat16" (CPU autocast; float32 parameters and Adam state) moves
+    the drafter as the float32 path does. Tolerance: bf16 keeps 8 mantissa bits, so each
+    update's gradient may differ by ~1e-2 relative; over 3 updates the parameter *change* keeps
+    a cosine >= 0.98 with float32's and a norm within 10 %, the loss within 2 %, and the
+    length head (kept in float32 under autocast) stays float32."""
+    path = write_drafter(tmp_path / "d")
+    emb, lm = targets()
+    runs = {}
+    for cd in ("float32", "bfloat16"):
+        torch.manual_seed(0)
+        parts = build_learner(cfg(learner_compute_dtype=cd), path, emb, lm, K,
+                              train_length_head=True)
+        assert parts.learner.loss_fn.autocast == (None if cd == "float32" else torch.bfloat16)
+        start = [p.detach().clone() for p in parts.learner.params]
+        feed(parts.buffer)
+        batch = parts.learner.make_batch(parts.buffer)  # one batch, three updates on it
+        losses = []
+        for _ in range(3):
+            assert parts.learner.sync_step(batch) == "updated", parts.learner.last_error
+            losses.append(parts.learner.last_loss)
+        assert {p.dtype for p in parts.learner.params} == {torch.float32}
+        delta = torch.cat([(p.detach() - s).flatten()
+                           for p, s in zip(parts.learner.params, start)])
+        runs[cd] = (delta, losses)
+    d32, d16 = runs["float32"][0], runs["bfloat16"][0]
+    assert float(d32.norm()) > 0
+    cos = float(torch.nn.functional.cosine_similarity(d32, d16, dim=0))
+    assert cos >= 0.98, cos
+    assert float(d16.norm()) == pytest.approx(float(d32.norm()), rel=0.1)
+    for a, b in zip(runs["float32"][1], runs["bfloat16"][1]):
+        assert b == pytest.approx(a, rel=0.02)
+
+
+def test_compute_dtype_auto_follows_the_hardware(monkeypatch):
+    from vllm_onlinespec import serving_dtype
+    from vllm_onlinespec.learner.device import compute_dtype
+
+    cpu = torch.device("cpu")
+    assert compute_dtype("float32", cpu) is None
+    assert compute_dtype("bfloat16", cpu) is torch.bfloat16
+    monkeypatch.setattr(serving_dtype, "cpu_native_bf16", lambda: False)
+    assert compute_dtype("auto", cpu) is None  # emulated bf16 would be slower, not faster
+    monkeypatch.setattr(serving_dtype, "cpu_native_bf16", lambda: True)
+    assert compute_dtype("auto", cpu) is torch.bfloat16
+    assert compute_dtype("auto", torch.device("cuda", 0)) is torch.bfloat16

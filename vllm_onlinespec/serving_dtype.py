@@ -16,13 +16,16 @@ AUTO = "auto"
 DTYPES = (AUTO, "bfloat16", "float32")
 
 
-def native_bf16() -> bool:
-    """True when bf16 matmuls run on hardware here: CUDA, or AVX512-BF16 / AMX on the CPU."""
-    if torch.cuda.is_available():
-        return True
+def cpu_native_bf16() -> bool:
+    """True when this CPU computes bf16 matmuls in hardware: AVX512-BF16 or AMX tiles."""
     # The ISA probes vLLM's CPU platform itself uses (vllm/platforms/cpu.py).
     probes = ("_is_avx512_bf16_supported", "_is_amx_tile_supported")
     return any(bool(getattr(torch.cpu, p, lambda: False)()) for p in probes)
+
+
+def native_bf16() -> bool:
+    """True when bf16 matmuls run on hardware here: CUDA, or AVX512-BF16 / AMX on the CPU."""
+    return torch.cuda.is_available() or cpu_native_bf16()
 
 
 def resolve_dtype(dtype: str) -> str:

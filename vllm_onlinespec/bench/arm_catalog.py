@@ -40,10 +40,14 @@ NEVER = 10**12  # publish.every_n_updates that no run reaches
 # run each, within noise). The learner is data-starved beside serving (~20 fresh tokens between
 # updates), so replay spends its spare CPU on what it already has. ensemble_lrs bracket the lr.
 # The learner runs at SCHED_IDLE on the front end's core (docs/results/learner_priority.md).
+# A publish every 4th update: each one loads and re-packs vLLM's drafter on the engine thread
+# (~10 ms on the 2-core box, 3.5 % of serving at one per update); on the tuning stream, two
+# orders, 108.5 / 103.9 tok/s against 91.5 / 89.5 publishing every update, acceptance 1.81 /
+# 1.78 against 1.83 / 1.85 (session 11, docs/results/notes/domain_shift.md).
 DEFAULT_ONLINE: dict = {
     "lr": 3e-4, "replay": True, "batch_blocks": 32, "anchors_per_request": 16,
     "min_new_tokens_per_update": 16, "learner_cpu_share": 0.8, "learner_priority": "idle",
-    "ensemble_lrs": [1e-4, 3e-4, 1e-3],
+    "ensemble_lrs": [1e-4, 3e-4, 1e-3], "publish": {"every_n_updates": 4},
     "buffer": {"window_tokens": 512, "max_tokens": 16384, "max_requests": 64},
 }
 

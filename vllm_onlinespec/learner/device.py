@@ -52,6 +52,20 @@ def learner_dtype(setting: str, device: torch.device) -> torch.dtype:
     return torch.float32 if device.type == "cpu" else DTYPES[setting]
 
 
+def compute_dtype(setting: str, device: torch.device) -> torch.dtype | None:
+    """The autocast dtype of the learner's forward and backward matmuls (None = no autocast:
+    float32). "auto" = bfloat16 where `device` computes it in hardware (CUDA, or a CPU with
+    AVX512-BF16 / AMX), float32 elsewhere: emulated bf16 would make updates slower, not faster."""
+    from ..serving_dtype import cpu_native_bf16
+
+    if setting == "float32":
+        return None
+    if setting == "bfloat16":
+        return torch.bfloat16
+    native = device.type == "cuda" or (device.type == "cpu" and cpu_native_bf16())
+    return torch.bfloat16 if native else None
+
+
 def stream_for(device: torch.device) -> "torch.cuda.Stream | None":
     """A dedicated stream for the learner on a CUDA device, None elsewhere."""
     return torch.cuda.Stream(device=device) if device.type == "cuda" else None

@@ -34,7 +34,7 @@ from ..config import LossConfig, OnlineSpecConfig
 from ..drafter import DFlashConfig, LengthHead, load_drafter, save_drafter
 from .batches import BlockBatch, make_batch_fn
 from .buffer import FeedbackBuffer
-from .device import learner_dtype, normalize_device, resolve_device
+from .device import compute_dtype, learner_dtype, normalize_device, resolve_device
 from .learner import OnlineLearner
 
 logger = logging.getLogger("vllm_onlinespec")
@@ -69,8 +69,11 @@ class DistillObjective:
     frozen embedding and LM head, used read-only in place (see the module docstring)."""
 
     def __init__(self, embed_w: torch.Tensor, lm_head_w: torch.Tensor, loss_cfg: LossConfig,
-                 device: torch.device | str | None = None) -> None:
+                 device: torch.device | str | None = None,
+                 autocast: torch.dtype | None = None) -> None:
         self.device = normalize_device(device) if device is not None else lm_head_w.device
+        # bf16 matmuls under torch autocast (learner_compute_dtype); None = as the tensors are.
+        self.autocast = autocast
         self.embed_w = on_device(embed_w, self.device)
         self.lm_head_w = on_device(lm_head_w, self.device)
         self.loss_cfg = loss_cfg
@@ -112,11 +115,15 @@ class DistillObjective:
         batch = self.to_device(batch)
         # Features in the training dtype (float32 on CPU; bf16 when the learner trains in bf16).
         dtype = model.drafter.dtype
-        loss, stats = block_loss(model.drafter, batch.ids, batch.aux.to(dtype),
-                                 batch.final_hidden.to(dtype), batch.anchors, self.embed_w,
-                                 self.lm_head_w, loss_cfg=self.loss_cfg,
-                                 length_head=model.length_head, lengths=batch.lengths,
-                                 impl=self.impl, vocab=self.vocab_for(batch.ids))
+        # autograd replays the recorded bf16 ops in the backward, so the gradients (of float32
+        # parameters) come out of bf16 matmuls too; the update itself stays in float32.
+        with torch.autocast(self.device.type, dtype=self.autocast or torch.bfloat16,
+                            enabled=self.autocast is not None):
+            loss, stats = block_loss(model.drafter, batch.ids, batch.aux.to(dtype),
+                                     batch.final_hidden.to(dtype), batch.anchors, self.embed_w,
+                                     self.lm_head_w, loss_cfg=self.loss_cfg,
+                                     length_head=model.length_head, lengths=batch.lengths,
+                                     impl=self.impl, vocab=self.vocab_for(batch.ids))
         return loss, stats.as_dict()
 
 
@@ -175,6 +182,8 @@ def build_learner(cfg: OnlineSpecConfig, drafter_path: str | Path, embed_w: torc
     def save_model(directory: Path) -> None:  # learner checkpoints stay loadable by vLLM
         save_drafter(directory, dcfg, bundle.drafter, bundle.length_head)
 
-    learner = OnlineLearner(bundle, cfg, DistillObjective(embed_w, lm_head_w, cfg.loss, dev),
+    objective = DistillObjective(embed_w, lm_head_w, cfg.loss, dev,
+                                 autocast=compute_dtype(cfg.learner_compute_dtype, dev))
+    learner = OnlineLearner(bundle, cfg, objective,
                             make_batch, buffer, save_model=save_model, holdback=K)
     return LearnerParts(learner, buffer, bundle, dcfg, tcfg, ckpt_head)

@@ -49,7 +49,7 @@ from torch import nn
 
 from ..config import OnlineSpecConfig
 from . import checkpoint as ckpt
-from .algorithms import HedgeEnsemble, NonFiniteUpdate, OnlineAlgorithm, make_algorithm
+from .algorithms import HedgeEnsemble, NonFiniteUpdate, OnlineAlgorithm, all_finite, make_algorithm
 from .buffer import FeedbackBuffer
 from .device import Snapshot, normalize_device, on_stream, stream_for
 from .timing import Timer
@@ -301,7 +301,7 @@ class OnlineLearner:
     @torch.no_grad()
     def _check_params(self) -> None:
         # One host sync for all parameters (one per tensor costs ~60 syncs per update on a GPU).
-        if not bool(torch.stack([torch.isfinite(p).all() for p in self.params]).all()):
+        if not all_finite(self.params):
             raise _NonFinite("parameters after the update")
 
     def _count_failure(self, counter: str, what: str, e: BaseException) -> None:

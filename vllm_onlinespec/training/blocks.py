@@ -238,7 +238,10 @@ def block_loss(drafter: DFlashDrafter, ids: Tensor, aux: Tensor, final_hidden: T
 
     length = torch.zeros((), device=h.device)
     if length_head is not None:
-        pred = length_head(h.detach())
+        # The head's MSE wants float32 (see build_learner) even when the drafter's matmuls
+        # run under bf16 autocast.
+        with torch.autocast(h.device.type, enabled=False):
+            pred = length_head(h.detach().float())
         known = block_ok & ~censored  # a censored block's label would teach a wrong, low length
         length = length_loss(pred, accepted, drafter.config.block_size, known)
     loss = distill + length
