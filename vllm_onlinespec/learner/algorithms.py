@@ -211,9 +211,11 @@ class OGD(OnlineAlgorithm):
         ps, gs = [self.params[i] for i in idx], [grads[i] for i in idx]
         ms = [self._slot(i, "exp_avg") for i in idx]
         vs = [self._slot(i, "exp_avg_sq") for i in idx]
-        # The per-tensor arithmetic above, one multi-tensor op per line (the same kernels per
-        # element, so bit-identical) and the denominator in reused buffers: the update is
-        # memory-bound on a CPU, and fresh sqrt outputs cost page faults every update.
+        # AdamW's single-tensor arithmetic (p *= 1 - lr wd; m = lerp(m, g, 1 - b1);
+        # v = b2 v + (1 - b2) g^2; p -= lr / bc1 * m / (sqrt(v) / bc2_sqrt + eps)), one
+        # multi-tensor op per line (the same kernels per element, so bit-identical) with the
+        # denominator in reused buffers: the update is memory-bound on a CPU, and fresh sqrt
+        # outputs cost page faults every update.
         if self.weight_decay:  # p * 1.0 is p: skip a whole pass over the weights without decay
             torch._foreach_mul_(ps, 1 - self.lr * self.weight_decay)
         torch._foreach_lerp_(ms, gs, 1 - b1)

@@ -49,7 +49,8 @@ from torch import nn
 
 from ..config import OnlineSpecConfig
 from . import checkpoint as ckpt
-from .algorithms import HedgeEnsemble, NonFiniteUpdate, OnlineAlgorithm, all_finite, make_algorithm
+from .algorithms import (HedgeEnsemble, NonFiniteUpdate, OnlineAlgorithm, all_finite,
+                         make_algorithm)
 from .buffer import FeedbackBuffer
 from .device import Snapshot, normalize_device, on_stream, stream_for
 from .timing import Timer
