@@ -21,8 +21,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import statistics
+import sys
 import time
 from pathlib import Path
 
@@ -115,10 +115,10 @@ def main() -> int:
         feed(parts.buffer, seqs, k, "pass0")
         learner = parts.learner
         ms, pub = [], []
-        for _ in range(args.updates + 3):
+        for i in range(args.updates + 3):
             learner.snapshot_ms = float("nan")
             if not learner.ready(parts.buffer):  # out of fresh tokens: the same answers again,
-                feed(parts.buffer, seqs, k, f"pass{_}")  # as new requests (untimed)
+                feed(parts.buffer, seqs, k, f"pass{i + 1}")  # as new requests (untimed)
             t0 = time.perf_counter()
             status = learner.sync_step()
             dt = time.perf_counter() - t0
