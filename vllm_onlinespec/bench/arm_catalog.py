@@ -43,7 +43,8 @@ NEVER = 10**12  # publish.every_n_updates that no run reaches
 # A publish every 4th update: each one loads and re-packs vLLM's drafter on the engine thread
 # (~10 ms on the 2-core box, 3.5 % of serving at one per update); on the tuning stream, two
 # orders, 108.5 / 103.9 tok/s against 91.5 / 89.5 publishing every update, acceptance 1.81 /
-# 1.78 against 1.83 / 1.85 (session 11, docs/results/notes/domain_shift.md).
+# 1.78 against 1.83 / 1.85, part of that gap the VM's drift between runs (session 11,
+# docs/results/notes/domain_shift.md).
 DEFAULT_ONLINE: dict = {
     "lr": 3e-4, "replay": True, "batch_blocks": 32, "anchors_per_request": 16,
     "min_new_tokens_per_update": 16, "learner_cpu_share": 0.8, "learner_priority": "idle",
