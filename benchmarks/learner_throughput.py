@@ -22,12 +22,10 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from vllm_onlinespec.serving_dtype import resolve_dtype_arg  # noqa: E402
+from vllm_onlinespec.serving_dtype import resolve_dtype_arg
 
 
 def feed(buffer, seqs, k: int, tag: str) -> None:

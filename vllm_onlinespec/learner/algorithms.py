@@ -135,11 +135,16 @@ class OnlineAlgorithm:
             live.append(p.detach())
             live.extend(s for name, s in self.state[i].items()
                         if name not in self._rebound_slots)
+        return Undo(t=self.t, state=[dict(st) for st in self.state],
+                    saved=list(zip(live, self._undo_copies(live))))
+
+    @torch.no_grad()
+    def _undo_copies(self, live: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """Copies of `live` in this rule's reused undo buffers (valid until the next call)."""
         copies = reuse_buffers(self._undo_buffers, live)
         if copies:
-            torch._foreach_copy_(copies, live)
-        return Undo(t=self.t, state=[dict(st) for st in self.state],
-                    saved=list(zip(live, copies)))
+            torch._foreach_copy_(copies, list(live))
+        return copies
 
     @torch.no_grad()
     def restore(self, undo: Undo) -> None:
@@ -398,7 +403,7 @@ class HedgeEnsemble(OnlineAlgorithm):
         if len(grads) != len(self.members):
             raise ValueError(f"need {len(self.members)} gradient lists")
         if served is None:
-            served = [p.detach().clone() for p in self.params]
+            served = self._undo_copies([p.detach() for p in self.params])
         return HedgeUndo(t=self.t, state=[], saved=list(zip(self.params, served)),
                          members=[a.snapshot(g) for a, g in zip(self.algos, grads)],
                          log_w=self.log_w, cum_loss=self.cum_loss,
@@ -428,7 +433,7 @@ class HedgeEnsemble(OnlineAlgorithm):
         p_before = self.weights
         # Evaluation loads each member into the served params: keep them to put back exactly
         # (re-averaging would not reproduce the initial weights bit for bit).
-        served = [p.detach().clone() for p in self.params]
+        served = self._undo_copies([p.detach() for p in self.params])
         losses, grads = [], []
         try:
             for i in range(len(self.members)):
