@@ -30,16 +30,11 @@ from vllm_onlinespec.serving_dtype import resolve_dtype_arg
 
 def feed(buffer, seqs, k: int, tag: str) -> None:
     """Each sequence as one request: its prompt as one record, then verify steps of K + 1."""
-    from vllm_onlinespec.learner.buffer import FeedbackRecord
+    from vllm_onlinespec.learner.buffer import sequence_records
 
     for i, (ids, start, aux, final) in enumerate(seqs):
-        rid = f"{tag}-r{i}"
-        buffer.push(FeedbackRecord(rid, ids[:start], 0, aux[:start], final[:start], 0, 0,
-                                   prompt_len=start))
-        for s in range(start, len(ids), k + 1):
-            e = min(s + k + 1, len(ids))
-            buffer.push(FeedbackRecord(rid, ids[s:e], s, aux[s:e], final[s:e], k, 0,
-                                       prompt_len=start))
+        for rec in sequence_records(f"{tag}-r{i}", ids, start, aux, final, k):
+            buffer.push(rec)
 
 
 def prompt_features(path: str, target_path: str, drafter: Path, limit: int):

@@ -1,6 +1,7 @@
 """Benchmark plumbing without an engine: arm names, streams, results JSON, the report."""
 
 import json
+import types
 
 import pytest
 
@@ -160,3 +161,26 @@ def test_dtype_defaults_to_what_the_hardware_computes_natively(monkeypatch):
         assert ArmSpec(name="a", target="t", prompts="p", out="o").dtype == want
     with pytest.raises(ValueError, match="dtype must be one of auto, bfloat16, float32"):
         SD.resolve_dtype("fp8")
+
+
+def test_counterbalanced_arm_order_reverses_on_odd_repeats():
+    from vllm_onlinespec.bench.launch import counterbalanced
+
+    assert counterbalanced(3, 0) == [0, 1, 2]
+    assert counterbalanced(3, 1) == [2, 1, 0]
+    assert counterbalanced(3, 2) == [0, 1, 2]
+    # Over an ABBA pair every arm's mean slot is the same: a linear drift favours none.
+    slots = [sorted(range(4), key=counterbalanced(4, r).index) for r in (0, 1)]
+    assert len({a + b for a, b in zip(*slots)}) == 1
+
+
+def test_run_arms_runs_in_counterbalanced_order_and_reports_in_arm_order(tmp_path, monkeypatch):
+    from vllm_onlinespec.bench import launch
+
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"prompt": "x"}\n')
+    ran = []
+    monkeypatch.setattr(launch, "run_arm", lambda spec, logs, n: ran.append(spec) or spec)
+    specs = [types.SimpleNamespace(prompts=str(prompts), name=n) for n in "abc"]
+    assert launch.run_arms(specs, tmp_path, repeat=1) == specs
+    assert [s.name for s in ran] == ["c", "b", "a"]

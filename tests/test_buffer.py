@@ -422,3 +422,23 @@ def test_replay_fills_the_batch_from_trained_response_tokens_only():
     assert all(P <= a for a in old)  # generated tokens only
     assert b.fresh_count(K) == 0 and b.trained_tokens == first.num_fresh + 5
     assert replay(b) is None  # nothing fresh: no replay-only update
+
+
+def test_sequence_records_replay_a_whole_answer_as_serving_feedback():
+    from vllm_onlinespec.learner.buffer import sequence_records
+
+    n, start, k = 23, 7, 4
+    pos = torch.arange(n)
+    recs = sequence_records("a", pos, start, pos.float()[:, None].repeat(1, F),
+                            -pos.float()[:, None].repeat(1, H), k)
+    # The prompt as one prefill record, then steps of K + 1 (the last one shorter).
+    assert [(r.start_pos, r.num_tokens, r.num_draft) for r in recs] == [
+        (0, 7, 0), (7, 5, 4), (12, 5, 4), (17, 5, 4), (22, 1, 4)]
+    assert torch.equal(torch.cat([r.token_ids for r in recs]), pos)
+    b = FeedbackBuffer(window_tokens=64)
+    for r in recs:
+        b.push(r)
+    b.finish("a")
+    # Prompt and first generated token are context; the other answer tokens are trainable.
+    assert b.context_tokens == start + 1 and b.fresh_tokens + b.context_tokens == n
+    assert accounted(b) == n

@@ -117,10 +117,12 @@ def _parse(name: str) -> tuple[str, dict | None]:
                      + ", ".join(POLICIES) + ", frozen-<policy>, and <our arm>+lookup")
 
 
-def _merge(base: dict, over: dict) -> dict:
+def merge_sections(base: dict, over: dict) -> dict:
+    """`over` on a copy of `base`, config sections (dicts) merged key by key."""
     out = copy.deepcopy(base)
     for k, v in over.items():
-        out[k] = _merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+        nested = isinstance(v, dict) and isinstance(out.get(k), dict)
+        out[k] = merge_sections(out[k], v) if nested else v
     return out
 
 
@@ -168,7 +170,7 @@ def make_arm(name: str, *, target: str, prompts: str, out_dir: str | Path,
     onlinespec = None
     if over is not None:
         base = online if online is not None else DEFAULT_ONLINE
-        onlinespec = _merge(base, over) if over.get("enabled", True) else _merge(
+        onlinespec = merge_sections(base, over) if over.get("enabled", True) else merge_sections(
             {k2: v for k2, v in base.items() if k2 in ("length_head", "prompt_lookup")}, over)
         if onlinespec.get("enabled", True) and "dir" not in onlinespec.get("checkpoint", {}):
             onlinespec.setdefault("checkpoint", {})["dir"] = str(checkpoint_dir(out_dir, name))

@@ -146,7 +146,9 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     a("--window-s", type=float, default=20.0, help="continuous protocols: seconds per "
       "measurement window (tok/s, acceptance, TPOT, drafter version per window; default 20)")
     a("--seeds", help="comma-separated stream orders, e.g. 0,1: every arm serves each order, "
-      "seed after seed, and the report gives medians with min-max (default: --seed)")
+      "seed after seed (arms in --arms order on the 1st, 3rd, ... seed, reversed on the 2nd, "
+      "4th, ...: the box's drift then weighs on every arm alike), and the report gives medians "
+      "with min-max (default: --seed)")
     a("--in-order", action="store_true", help="serve --prompts in the file's order instead of "
       "interleaving categories (for streams whose order is the experiment; no --seeds)")
     a("--catch-up-s", type=float, default=0.0, help="after each wave, let the learner catch up "
@@ -185,9 +187,9 @@ def check_protocol(args: argparse.Namespace) -> None:
 def run_bench(args: argparse.Namespace) -> int:
     from transformers import AutoTokenizer
 
-    from vllm_onlinespec.bench.arm_catalog import DEFAULT_ONLINE, _merge, make_arm
+    from vllm_onlinespec.bench.arm_catalog import DEFAULT_ONLINE, merge_sections, make_arm
     from vllm_onlinespec.bench.drafters import cache_key, ensure_drafter
-    from vllm_onlinespec.bench.launch import run_arms
+    from vllm_onlinespec.bench.launch import counterbalanced, run_arms
     from vllm_onlinespec.bench import report as R
     from vllm_onlinespec.models import cache_dir, resolve
 
@@ -200,7 +202,7 @@ def run_bench(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     out = Path(args.out)
     arms = [x.strip() for x in args.arms.split(",") if x.strip()]
-    online = _merge(DEFAULT_ONLINE, json.loads(args.online))
+    online = merge_sections(DEFAULT_ONLINE, json.loads(args.online))
     train_cats = P.parse_categories(args.train_categories)
     serve_cats = P.parse_categories(args.serve_categories)
     if serve_cats is None and train_cats is not None and not args.prompts:
@@ -222,7 +224,7 @@ def run_bench(args: argparse.Namespace) -> int:
     protocol = (f"continuous ({args.arrivals}, windows of {args.window_s:g} s)" if args.arrivals
                 else f"waves of {args.wave}")
     per_seed, failed, bad = [], [], False
-    for seed in seeds:
+    for repeat, seed in enumerate(seeds):
         sub = out if len(seeds) == 1 else out / f"seed-{seed}"
         stream = build_stream(serve_prompts, train_prompts, tok,
                               max_prompt_tokens=args.max_prompt_tokens,
@@ -237,8 +239,9 @@ def run_bench(args: argparse.Namespace) -> int:
                           max_tokens=args.max_tokens, catch_up_s=args.catch_up_s,
                           arrivals=args.arrivals, window_s=args.window_s)
                  for a in arms]
-        results = run_arms(specs, sub)
-        meta = {"arms": arms, "target": target, "drafter": drafter,
+        results = run_arms(specs, sub, repeat)
+        meta = {"arms": arms, "run_order": [arms[i] for i in counterbalanced(len(arms), repeat)],
+                "target": target, "drafter": drafter,
                 "train_categories": train_cats, "serve_categories": serve_cats,
                 "prompts_file": args.prompts, "prompts": len(stream), "seed": seed,
                 "protocol": protocol, "arrivals": args.arrivals or None,

@@ -366,7 +366,7 @@ def add_bench_serve_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def run_bench_serve(args: argparse.Namespace) -> int:
-    from vllm_onlinespec.bench.arm_catalog import DEFAULT_ONLINE, _merge, make_arm
+    from vllm_onlinespec.bench.arm_catalog import DEFAULT_ONLINE, merge_sections, make_arm
     from vllm_onlinespec.models import cache_dir, resolve
 
     out = Path(args.out)
@@ -377,7 +377,7 @@ def run_bench_serve(args: argparse.Namespace) -> int:
         raise FileNotFoundError(f"no drafter at {drafter}: train one with `vllm-onlinespec train "
                                 f"--recipe smollm2-default` or pass --drafter")
     concurrencies = [int(c) for c in args.concurrency.split(",")]
-    online = _merge(DEFAULT_ONLINE, json.loads(args.online))
+    online = merge_sections(DEFAULT_ONLINE, json.loads(args.online))
     dataset = write_dataset(args.spec_bench, out, target, args.max_prompt_tokens,
                             args.skip_prompts)
     points: list[Point] = []

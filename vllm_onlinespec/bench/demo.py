@@ -118,11 +118,12 @@ def verdict(results) -> list[str]:
 
 def demo_arms(plan: DemoPlan, target: str, stream_path, out: Path, drafter: str):
     """(online settings, the three arms' specs) of the demo."""
-    from vllm_onlinespec.bench.arm_catalog import DEFAULT_ONLINE, SERVING_RECIPE, _merge, make_arm
+    from vllm_onlinespec.bench.arm_catalog import (DEFAULT_ONLINE, SERVING_RECIPE, make_arm,
+                                                   merge_sections)
 
     # Learning settings measured on this stream, served the way that pays best on this CPU
     # (bench/arm_catalog.py): the same recipe for the frozen and the learning arm.
-    online = _merge(DEFAULT_ONLINE, SERVING_RECIPE)
+    online = merge_sections(DEFAULT_ONLINE, SERVING_RECIPE)
     return online, [make_arm(a, target=target, prompts=str(stream_path), out_dir=out,
                              drafter=drafter, online=online, max_tokens=plan.max_tokens,
                              arrivals=plan.arrivals, window_s=plan.window_s) for a in ARMS]

@@ -71,10 +71,21 @@ def run_arm(spec: ArmSpec, log_dir: Path, n_prompts: int, position: int = 0) -> 
     return res
 
 
-def run_arms(specs: Sequence[ArmSpec], out_dir: str | Path) -> list[ArmResult]:
+def counterbalanced(n: int, repeat: int) -> list[int]:
+    """The order to run n arms in on the repeat-th stream order (0-based): as given on even
+    repeats, reversed on odd ones. The box's speed drifts over minutes (docs/results/
+    domain_shift.md), and arms run one after another; over an ABBA pair a linear drift
+    weighs on every arm alike instead of favouring the first ones."""
+    return list(range(n)) if repeat % 2 == 0 else list(range(n))[::-1]
+
+
+def run_arms(specs: Sequence[ArmSpec], out_dir: str | Path, repeat: int = 0) -> list[ArmResult]:
+    """Each arm in its own engine, one at a time, in `counterbalanced` order for this repeat;
+    results in the order of `specs`."""
     out = Path(out_dir)
-    results = []
-    for spec in specs:
+    results: dict[int, ArmResult] = {}
+    for i in counterbalanced(len(specs), repeat):
+        spec = specs[i]
         n = sum(1 for line in open(spec.prompts, encoding="utf-8") if line.strip())
-        results.append(run_arm(spec, out / "logs", n))
-    return results
+        results[i] = run_arm(spec, out / "logs", n)
+    return [results[i] for i in range(len(specs))]

@@ -100,6 +100,21 @@ class FeedbackRecord:
                        target_hidden=None if th is None else th[:n].clone())
 
 
+def sequence_records(req_id: str, ids: torch.Tensor, start: int, aux: torch.Tensor,
+                     final: torch.Tensor | None, k: int) -> list[FeedbackRecord]:
+    """A whole answered sequence as the feedback serving would have pushed for it at K draft
+    tokens per step: its prompt (ids[:start]) as one prefill record, then verify steps of K + 1
+    committed tokens (nothing accepted: which drafts were right does not change the labels).
+    For offline replays of the online learner (benchmarks/)."""
+    out = [FeedbackRecord(req_id, ids[:start], 0, aux[:start],
+                          None if final is None else final[:start], prompt_len=start)]
+    for s in range(start, len(ids), k + 1):
+        e = min(s + k + 1, len(ids))
+        out.append(FeedbackRecord(req_id, ids[s:e], s, aux[s:e],
+                                  None if final is None else final[s:e], k, prompt_len=start))
+    return out
+
+
 def _owned(t: torch.Tensor | None) -> torch.Tensor | None:
     """t itself if it owns its storage, else a compact clone."""
     if t is None or t.untyped_storage().nbytes() <= t.numel() * t.element_size():
