@@ -18,9 +18,13 @@ alone. For each prompt of the stream, in order:
      buffer holds too few fresh tokens), through the serving layer's own builder
      (`learner.factory.build_learner`), publishing as configured.
 A variant is NAME=JSON: the online config over the demo's defaults (bench DEFAULT_ONLINE), plus
-`updates_per_request` (serving on this box: 3.6, docs/results/domain_shift.json) and `lag`.
+`updates_per_request` (serving on this box: 3.6, docs/results/domain_shift.json), `lag`, and
+`lookup`: "none" (the drafter alone, default), "own" (serving's prompt lookup on the request's
+own text beside the drafter) or "recent" (and on finished requests' text, which joins the pool
+when the request's feedback reaches the learner).
 Prints and writes per variant: acceptance (all, first 20, last quarter) and its ratio to the
-frozen drafter's on the same answers, updates run, and the per-request series.
+frozen drafter's on the same answers with the same lookup rule, updates run, and the
+per-request series.
 """
 
 from __future__ import annotations
@@ -38,7 +42,10 @@ DEFAULT_VARIANTS = [
 ]
 
 
-def parse_variant(text: str) -> tuple[str, dict, float, int | None]:
+LOOKUPS = ("none", "own", "recent")
+
+
+def parse_variant(text: str) -> tuple[str, dict, float, int | None, str]:
     name, sep, body = text.partition("=")
     if not sep or not name:
         raise SystemExit(f"--variant {text!r}: want NAME=JSON")
@@ -50,7 +57,10 @@ def parse_variant(text: str) -> tuple[str, dict, float, int | None]:
         raise SystemExit(f"--variant {name}: JSON must be an object")
     upr = float(over.pop("updates_per_request", 3.6))
     lag = over.pop("lag", None)
-    return name, over, upr, None if lag is None else int(lag)
+    lookup = over.pop("lookup", "none")
+    if lookup not in LOOKUPS:
+        raise SystemExit(f"--variant {name}: lookup {lookup!r} is not one of {', '.join(LOOKUPS)}")
+    return name, over, upr, None if lag is None else int(lag), lookup
 
 
 def stream_examples(prompts_path: str, target_path: str, layer_ids: list[int], max_tokens: int,
@@ -87,23 +97,49 @@ def load_published(eval_drafter, snapshot) -> None:
             p.copy_(state[n].to(p.dtype))
 
 
-def walk(drafter, e, embed32, lm32, k: int) -> tuple[int, int]:
-    """(steps, tokens) of serving's greedy walk through answer `e` with K-token blocks."""
+def walk(drafter, e, embed32, lm32, k: int, lookup: str = "none",
+         recent=None) -> tuple[int, int]:
+    """(steps, tokens) of serving's greedy walk through answer `e` with K-token blocks; with
+    `lookup`, serving's hybrid rule: prompt lookup's K tokens where the request's own text
+    ("own"), or else finished requests' text ("recent": `recent`, a RecentText), proposes
+    them, the drafter's block elsewhere (session._prompt_lookup, default settings)."""
+    import numpy as np
+
+    from vllm_onlinespec.drafter.prompt_lookup import propose
     from vllm_onlinespec.training.blocks import walk_steps
     from vllm_onlinespec.training.trainer import block_accepts
 
-    walked = walk_steps(block_accepts(drafter, e, embed32, lm32), k)
-    return len(walked), sum(walked) + len(walked)
+    accepted_at = block_accepts(drafter, e, embed32, lm32)
+    if lookup == "none":
+        walked = walk_steps(accepted_at, k)
+        return len(walked), sum(walked) + len(walked)
+    ids = e.ids.numpy()
+    steps = tokens = i = 0
+    while i < len(accepted_at) and accepted_at[i] >= 0:
+        end = e.start + i + 1  # the committed text: prompt + answer up to the block's anchor
+        a = min(int(accepted_at[i]), k)
+        p = propose(ids[:end], k)
+        if len(p) < k and recent is not None:
+            p = recent.propose(ids[:end], k)
+        if len(p) == k:
+            truth = ids[end:end + k].tolist()
+            a = next((j for j, (x, y) in enumerate(zip(p, truth)) if x != y), len(truth))
+        steps, tokens, i = steps + 1, tokens + a + 1, i + a + 1
+    return steps, tokens
 
 
 def replay(examples, embed, lm, drafter_path, online: dict, upr: float, lag: int, k: int,
-           head_dtype, passes: int = 1, heldout=()) -> dict:
+           head_dtype, passes: int = 1, heldout=(), lookup: str = "none") -> dict:
     import torch
 
     from vllm_onlinespec.config import OnlineSpecConfig
     from vllm_onlinespec.learner.buffer import sequence_records
     from vllm_onlinespec.learner.factory import build_learner
+    from vllm_onlinespec.drafter.prompt_lookup import RecentText
     cfg = OnlineSpecConfig.from_any(online)
+    lk = cfg.prompt_lookup
+    recent = (RecentText(lk.recent_tokens, lk.recent_min_n, lk.recent_max_n)
+              if lookup == "recent" else None)
     parts = build_learner(cfg, drafter_path, embed.to(head_dtype), lm.to(head_dtype), k,
                           train_length_head=False)
     learner = parts.learner
@@ -115,6 +151,8 @@ def replay(examples, embed, lm, drafter_path, online: dict, upr: float, lag: int
     stream = [(f"p{p}-r{i}", e) for p in range(passes) for i, e in enumerate(examples)]
     for i, (_, e) in enumerate(stream):
         j = i - lag
+        if j >= 0 and recent is not None:  # request j has finished: its text joins the pool
+            recent.add(stream[j][1].ids.numpy())
         if j >= 0 and upr > 0:  # request j's feedback arrives, the learner runs its share
             rid, ej = stream[j]
             for rec in sequence_records(rid, ej.ids, ej.start, ej.aux, ej.final, k):
@@ -132,11 +170,11 @@ def replay(examples, embed, lm, drafter_path, online: dict, upr: float, lag: int
         if v != version:
             load_published(eval_drafter, snap)
             version = v
-        steps, tokens = walk(eval_drafter, e, embed32, lm32, k)
+        steps, tokens = walk(eval_drafter, e, embed32, lm32, k, lookup, recent)
         per_request.append({"request": i, "steps": steps, "tokens": tokens,
                             "version": version, "updates": learner.updates})
-    held = [dict(zip(("steps", "tokens"), walk(eval_drafter, e, embed32, lm32, k)))
-            for e in heldout]
+    held = [dict(zip(("steps", "tokens"), walk(eval_drafter, e, embed32, lm32, k, lookup,
+                                               recent))) for e in heldout]
     return {"per_request": per_request, "heldout": held, "updates": learner.updates,
             "statuses": statuses,
             "seconds": round(time.perf_counter() - t0, 1)}
@@ -156,10 +194,30 @@ def summary(rows, heldout) -> dict:
     return out
 
 
+def table(replay_json: Path) -> str:
+    """One replay.json as a markdown table (ratios: to the frozen drafter, same lookup rule)."""
+    r = json.loads(replay_json.read_text())
+    keys = ("accept_len", "accept_len_first_20", "accept_len_last_quarter", "heldout_accept_len")
+    lines = [f"`{r['prompts']}` ({r['requests']} requests, {r['max_tokens']} tokens; held out: "
+             f"`{r['heldout']}`; passes {r['passes']})", "",
+             "| variant | lookup | settings | updates/request | updates | accept len | "
+             "vs frozen | first 20 vs frozen | last quarter vs frozen | held out | vs frozen |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for v in r["variants"]:
+        ratio = [f"{v.get(key + '_vs_frozen', math.nan):.3f}x" for key in keys]
+        lines.append(f"| {v['variant']} | {v.get('lookup', 'none')} | `{json.dumps(v['online'])}` "
+                     f"| {v['updates_per_request']:g} | {v['updates']} | {v[keys[0]]:.3f} | "
+                     f"{ratio[0]} | {ratio[1]} | {ratio[2]} | "
+                     f"{v.get(keys[3], math.nan):.3f} | {ratio[3]} |")
+    return "\n".join(lines) + "\n"
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--prompts", required=True, help="prompt file (jsonl: prompt / messages / "
+    ap.add_argument("--tables", nargs="+", metavar="DIR", help="print the markdown tables of "
+                    "earlier runs' DIR/replay.json and exit")
+    ap.add_argument("--prompts", help="prompt file (jsonl: prompt / messages / "
                     "conversations), served in file order")
     ap.add_argument("--max-prompts", type=int, default=None)
     ap.add_argument("--max-tokens", type=int, default=96, help="answer tokens (the bench's)")
@@ -178,6 +236,11 @@ def main() -> int:
     ap.add_argument("--gen-cache", default="runs/online_replay/gen")
     ap.add_argument("--out", default=None, help="folder for replay.json")
     args = ap.parse_args()
+    if args.tables:
+        print("\n".join(table(Path(d) / "replay.json") for d in args.tables))
+        return 0
+    if not args.prompts:
+        ap.error("--prompts is required (or --tables)")
 
     import torch
 
@@ -199,17 +262,18 @@ def main() -> int:
     head_dtype = getattr(torch, resolve_dtype_arg("auto"))  # what vLLM serves the head in
     base = merge_sections(DEFAULT_ONLINE, {k2: v for k2, v in SERVING_RECIPE.items()
                                    if k2 != "length_head"})
-    results, frozen = [], None
-    for name, over, upr, lag in variants:
+    results, frozen = [], {}  # per lookup rule: the first variant that never updates
+    for name, over, upr, lag, lookup in variants:
         online = merge_sections(base, over)
         r = replay(examples, embed, lm, drafter, online, upr, args.lag if lag is None else lag,
-                   k, head_dtype, args.passes, heldout)
+                   k, head_dtype, args.passes, heldout, lookup)
         s = summary(r["per_request"], r["heldout"])
-        if frozen is None and upr == 0:
-            frozen = s
-        row = {"variant": name, "online": over, "updates_per_request": upr,
+        if upr == 0 and lookup not in frozen:
+            frozen[lookup] = s
+        ref = frozen.get(lookup)
+        row = {"variant": name, "online": over, "updates_per_request": upr, "lookup": lookup,
                "lag": args.lag if lag is None else lag, **s,
-               **({f"{key}_vs_frozen": s[key] / frozen[key] for key in s} if frozen else {}),
+               **({f"{key}_vs_frozen": s[key] / ref[key] for key in s} if ref else {}),
                "updates": r["updates"], "statuses": r["statuses"], "seconds": r["seconds"],
                "per_request": r["per_request"]}
         results.append(row)

@@ -9,7 +9,7 @@ import pytest
 from test_serving_hooks import bare_session, make_view
 from vllm_onlinespec.bench.arm_catalog import make_arm
 from vllm_onlinespec.config import ConfigError, OnlineSpecConfig
-from vllm_onlinespec.drafter.prompt_lookup import choose_drafts, propose
+from vllm_onlinespec.drafter.prompt_lookup import RecentText, choose_drafts, propose
 
 
 def reference_propose(t, k, min_n=2, max_n=4):
@@ -58,6 +58,61 @@ def test_choose_drafts_takes_lookup_only_where_it_fills_the_step():
     assert c.from_lookup == [True, False, True, False] and c.lookup_rows == 2
     c = choose_drafts(drafter, lookup, caps, min_tokens=2)  # a short proposal may count
     assert c.drafts[1] == [8, 8] and c.from_lookup == [True, True, True, False]
+
+
+def reference_recent(texts, history, k, min_n, max_n):
+    """RecentText's rule written plainly: every (text, position) where the history's last
+    min_n tokens end; the longest backward match (<= max_n) wins, then the latest."""
+    best, best_key = [], (0, -1)
+    order = 0
+    for t in texts:
+        for e in range(min_n - 1, len(t)):
+            m = 0
+            while m < min(max_n, len(history)) and e - m >= 0 and t[e - m] == history[-1 - m]:
+                m += 1
+            if m >= min_n and (m, order) > best_key:
+                best_key, best = (m, order), list(t[e + 1:e + 1 + k])
+            order += 1
+    return best
+
+
+def test_recent_text_takes_the_longest_then_latest_match_within_one_text():
+    r = RecentText(max_tokens=100, min_n=2, max_n=4)
+    assert r.propose([1, 2], k=4) == []  # nothing served yet
+    r.add([1, 2, 3, 4, 5, 6])
+    r.add([9, 2, 3, 7, 8])  # [2, 3] again, later, but only a 2-token match for [... 1, 2, 3]
+    assert r.propose([0, 1, 2, 3], k=3) == [4, 5, 6]  # the 3-token match beats the later 2-token
+    assert r.propose([5, 2, 3], k=3) == [7, 8]  # tie at 2 tokens: the latest; stops at its end
+    assert r.propose([6, 7], k=3) == []  # no 2-gram [6, 7] was served
+    assert r.propose([2, 3], k=0) == [] and r.propose([3], k=2) == []  # k 0; shorter than min_n
+    r.add([4])  # shorter than min_n + 1: nothing to learn from
+    assert r.tokens == 11
+
+
+def test_recent_text_keeps_the_newest_texts_within_its_token_budget():
+    r = RecentText(max_tokens=8, min_n=2, max_n=4)
+    r.add([1, 2, 3, 4, 5])
+    r.add([6, 7, 8])
+    assert r.propose([1, 2], k=2) == [3, 4] and r.tokens == 8
+    r.add([1, 2, 9])  # the oldest text goes
+    assert r.tokens == 6 and r.propose([1, 2], k=2) == [9]
+    with pytest.raises(ValueError, match="min_n <= max_n"):
+        RecentText(max_tokens=8, min_n=3, max_n=2)
+
+
+def test_recent_text_equals_the_plain_rule_on_random_text():
+    rng = random.Random(1)
+    for _ in range(200):
+        lo = rng.randint(1, 3)
+        hi = lo + rng.randint(0, 4)
+        texts = [[rng.randint(0, 4) for _ in range(rng.randint(lo + 1, 30))]
+                 for _ in range(rng.randint(1, 4))]
+        r = RecentText(max_tokens=10**6, min_n=lo, max_n=hi, max_candidates=10**6)
+        for t in texts:
+            r.add(t)
+        h = [rng.randint(0, 4) for _ in range(rng.randint(0, 12))]
+        k = rng.randint(0, 5)
+        assert r.propose(np.array(h, dtype=np.int32), k) == reference_recent(texts, h, k, lo, hi)
 
 
 class FakeInputBatch:
@@ -127,6 +182,26 @@ def test_session_lookup_fills_k_whatever_the_drafter_was_asked_for():
     assert s.cut_drafts(SimpleNamespace(req_ids=["a"], draft_token_ids=[[]])).draft_token_ids == [[]]
 
 
+def test_session_lookup_falls_back_to_finished_requests_text():
+    # "b" has no repeat of its own, but its last 3 tokens ended "a"'s [.., 7, 8, 9] before 3 1 4 1.
+    s = lookup_session({"a": [7, 8, 9, 3, 1, 4, 1, 5], "b": [2, 7, 8, 9]})
+    s.recent = RecentText(64, min_n=3, max_n=8)
+    s._texts = {}
+    drafts = SimpleNamespace(req_ids=["a", "b"], draft_token_ids=[[0] * 4, [6] * 4])
+    assert s.cut_drafts(drafts).draft_token_ids == [[0] * 4, [6] * 4]  # nothing finished yet
+    view = make_view(num_draft=(4, 4), sched=(5, 5))
+    view.finished_req_ids = {"a"}
+    s.after_step(None, view, [[0, -1, -1, -1, -1], [6, -1, -1, -1, -1]])
+    assert s.recent.tokens == 8 and "a" not in s._texts  # a's text joined the pool
+    drafts = SimpleNamespace(req_ids=["b"], draft_token_ids=[[6] * 4])
+    assert s.cut_drafts(drafts).draft_token_ids == [[3, 1, 4, 1]]
+    assert s._lookup_pending == {"b"} and s.lookup_recent_rows == 1
+    # A seeded request drafts from its own text only (its sample must reproduce).
+    s.runner.input_batch.generators = {s.runner.input_batch.req_id_to_index["b"]: object()}
+    drafts = SimpleNamespace(req_ids=["b"], draft_token_ids=[[6] * 4])
+    assert s.cut_drafts(drafts).draft_token_ids == [[6] * 4] and s.lookup_recent_rows == 1
+
+
 def test_lookup_arms_and_config(tmp_path):
     kw = dict(target="t", prompts="p", out_dir=tmp_path, drafter="d", num_speculative_tokens=4)
     frozen = make_arm("frozen+lookup", **kw).onlinespec
@@ -172,3 +247,6 @@ def test_demo_serves_frozen_and_online_with_the_same_recipe(tmp_path):
         assert cfg.prompt_lookup.enabled and cfg.length_head.policy == "budget"
         assert cfg.length_head.k_min == 0
     assert OnlineSpecConfig.from_any(by["frozen"]).enabled is False
+    with pytest.raises(ConfigError, match=r"recent_max_n \(2\) must be >= recent_min_n \(3\)"):
+        OnlineSpecConfig.from_any({"prompt_lookup": {"recent_min_n": 3, "recent_max_n": 2}})
+    assert OnlineSpecConfig.from_any({}).prompt_lookup.recent_tokens == 4096  # on with lookup

@@ -62,3 +62,73 @@ def choose_drafts(drafter: Sequence[list[int]], lookup: Sequence[list[int]],
         drafts.append(p if ok else list(d))
         used.append(ok)
     return HybridChoice(drafts, used)
+
+
+class RecentText:
+    """The token ids of recently finished requests, searched where a request's own text has no
+    match: lookup across requests (SuffixDecoding's idea, arXiv 2411.04975, with vLLM's ngram
+    rule). Answers of one domain share their scaffolding ("Let's break it down", "So the total
+    is", units, the format of a sum), which no single request's text holds before it writes it.
+
+    A bounded FIFO of whole texts (oldest dropped first) joined by a separator no token equals,
+    indexed by its `min_n`-grams. `propose` takes the occurrence whose match with the history's
+    suffix is longest (up to `max_n`), the latest on a tie, and the <= k tokens after it, never
+    across a separator. What this learns is only which text was served: no weights, no
+    gradient, nothing the target does not verify.
+    """
+
+    SEP = -1
+
+    def __init__(self, max_tokens: int, min_n: int = 3, max_n: int = 8,
+                 max_candidates: int = 32):
+        if max_tokens < 1 or min_n < 1 or max_n < min_n:
+            raise ValueError(f"RecentText: want max_tokens >= 1 and 1 <= min_n <= max_n, got "
+                             f"{max_tokens}, {min_n}, {max_n}")
+        self.max_tokens, self.min_n, self.max_n = max_tokens, min_n, max_n
+        self.max_candidates = max_candidates  # the latest occurrences of a frequent n-gram only
+        self._texts: list[np.ndarray] = []
+        self._flat = np.zeros(0, dtype=np.int64)
+        self._index: dict[tuple[int, ...], list[int]] = {}
+
+    @property
+    def tokens(self) -> int:
+        return sum(len(t) for t in self._texts)
+
+    def add(self, tokens: Sequence[int] | np.ndarray) -> None:
+        """A finished request's text (kept whole; the oldest texts go past max_tokens)."""
+        t = np.asarray(tokens, dtype=np.int64)[-self.max_tokens:]
+        if t.size < self.min_n + 1:
+            return
+        self._texts.append(t)
+        while self.tokens > self.max_tokens:
+            self._texts.pop(0)
+        # Rebuilt whole at each finished request (a few ms for 4k tokens), not per step.
+        sep = np.array([self.SEP], dtype=np.int64)
+        self._flat = np.concatenate([x for t in self._texts for x in (t, sep)])
+        flat, n = self._flat.tolist(), self.min_n
+        index: dict[tuple[int, ...], list[int]] = {}
+        for end, key in enumerate(zip(*(flat[i:] for i in range(n))), start=n - 1):
+            index.setdefault(key, []).append(end)  # end: the n-gram's last position
+        self._index = index
+
+    def propose(self, history: Sequence[int] | np.ndarray, k: int) -> list[int]:
+        """<= k tokens that followed the longest match of the history's suffix (>= min_n
+        tokens) in the recent texts; [] where none matches or k <= 0."""
+        h = np.asarray(history)
+        n = self.min_n
+        if k <= 0 or h.shape[0] < n:
+            return []
+        ends = self._index.get(tuple(int(x) for x in h[-n:]))
+        if not ends:
+            return []
+        best_end, best_len = -1, 0
+        tail = h[-self.max_n:][::-1].tolist()  # the history backwards from its last token
+        flat = self._flat
+        for end in reversed(ends[-self.max_candidates:]):  # latest first: wins ties
+            m = n
+            while m < len(tail) and end - m >= 0 and flat[end - m] == tail[m]:
+                m += 1
+            if m > best_len:
+                best_end, best_len = end, m
+        out = flat[best_end + 1: best_end + 1 + k].tolist()
+        return out[: out.index(self.SEP)] if self.SEP in out else out

@@ -47,7 +47,8 @@ class OnlineSession:
     feature_log = None  # training/feature_log.FeatureLogWriter when `features.dir` is set
     lookup = None  # config.PromptLookupConfig when prompt lookup is on
     _lookup_pending: set[str] = frozenset()  # type: ignore[assignment]
-    lookup_rows = lookup_drafted = lookup_accepted = 0
+    lookup_rows = lookup_drafted = lookup_accepted = lookup_recent_rows = 0
+    recent = None  # prompt_lookup.RecentText: finished requests' text, when lookup searches it
 
     def __init__(self, runner: Any, cfg: OnlineSpecConfig, guard: HookGuard | None = None) -> None:
         self.cfg = cfg
@@ -77,6 +78,14 @@ class OnlineSession:
         # drafter: the verify-length policy and the length head must not learn from them.
         self._lookup_pending: set[str] = set()
         self.lookup_rows = self.lookup_drafted = self.lookup_accepted = 0
+        self.lookup_recent_rows = 0  # of lookup_rows, proposed from other requests' text
+        lk = cfg.prompt_lookup
+        if self.lookup is not None and lk.recent_tokens:
+            self.recent = prompt_lookup.RecentText(lk.recent_tokens, lk.recent_min_n,
+                                                   lk.recent_max_n)
+        # Each drafting request's text as of its last step (a copy: vLLM reuses the row), added
+        # to `recent` when the request finishes.
+        self._texts: dict[str, Any] = {}
 
         drafter_path = str(drafter_dir(runner.vllm_config, cfg))  # a hub id: vLLM's snapshot
         head, trusted = self._build(runner, drafter_path)
@@ -266,6 +275,11 @@ class OnlineSession:
         drafts at the end of a step, before that step's publish)."""
         if view is None:
             return
+        if self.recent is not None:  # before any early return: finished texts must not pile up
+            for rid in view.finished_req_ids:
+                text = self._texts.pop(rid, None)
+                if text is not None:
+                    self.recent.add(text)
         if sampled is None:
             self.guard.skip(G.NO_SAMPLER_OUTPUT)
             return
@@ -351,14 +365,29 @@ class OnlineSession:
         else the drafter's cut block. Up to K tokens even where the budget's gate asked vLLM's
         drafter for fewer or none: the gate prices the drafter's acceptance, and a lookup
         match is accepted far more often (3.1 of 4 against 1.2 per drafted step, step_cost.md);
-        the scheduler takes up to K drafts from any proposer. A data-generation engine
-        (features.plain) never speculates."""
+        the scheduler takes up to K drafts from any proposer. Where the request's own text
+        proposes fewer than K, the text of recently finished requests may (`recent`). A
+        data-generation engine (features.plain) never speculates."""
         cfg = self.lookup
         if self.cfg.features.plain:
             return cut
         history = compat.request_tokens(self.runner, req_ids)
         props = [prompt_lookup.propose(h, self.K, cfg.min_n, cfg.max_n) for h in history]
+        from_recent = set()
+        if self.recent is not None:
+            # A seeded request never drafts from other requests' text: its draft would depend
+            # on what else was served, and so would how rejection sampling spends its seed's
+            # random numbers; own text and a frozen drafter keep it reproducible.
+            seeded = compat.seeded_requests(self.runner, req_ids)
+            for i, (rid, h) in enumerate(zip(req_ids, history)):
+                self._texts[rid] = h.copy()
+                if len(props[i]) < self.K and not seeded[i]:  # own text has no full proposal
+                    other = self.recent.propose(h, self.K)
+                    if len(other) > len(props[i]):
+                        props[i] = other
+                        from_recent.add(i)
         choice = prompt_lookup.choose_drafts(cut, props, [self.K] * len(cut), cfg.min_tokens)
+        self.lookup_recent_rows += sum(choice.from_lookup[i] for i in from_recent)
         self._lookup_pending = {r for r, u in zip(req_ids, choice.from_lookup) if u}
         return choice.drafts
 
@@ -374,7 +403,7 @@ class OnlineSession:
             cost_b_s_per_token=cm.b if cm is not None else None,
             resumed_from=self.resumed_from, hooks=self.guard.stats(),
             lookup_rows=self.lookup_rows, lookup_drafted=self.lookup_drafted,
-            lookup_accepted=self.lookup_accepted,
+            lookup_accepted=self.lookup_accepted, lookup_recent_rows=self.lookup_recent_rows,
             cutter=CutterStats(policy=c.policy_name, head=c.head_state, drafted=c.drafted,
                                verified=c.verified, last_reason=c.last_reason,
                                head_updates=c.head_version, head_labels=c.feedback.labels,

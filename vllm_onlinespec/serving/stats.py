@@ -120,6 +120,7 @@ class OnlineSpecStats:
     lookup_rows: int = 0  # request-steps whose verified draft came from prompt lookup
     lookup_drafted: int = 0  # of those, draft tokens verified
     lookup_accepted: int = 0  # and accepted
+    lookup_recent_rows: int = 0  # request-steps whose lookup draft came from other requests' text
     hooks: HookStats = field(default_factory=HookStats)
     cutter: CutterStats = field(default_factory=CutterStats)
     learner: LearnerStats | None = None  # None: learning off

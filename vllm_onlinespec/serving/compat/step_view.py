@@ -93,3 +93,11 @@ def request_tokens(runner: Any, req_ids: list[str]) -> list[Any]:
     ib = runner.input_batch
     rows = [ib.req_id_to_index[r] for r in req_ids]
     return [ib.token_ids_cpu[i, : int(ib.num_tokens_no_spec[i])] for i in rows]
+
+
+def seeded_requests(runner: Any, req_ids: list[str]) -> list[bool]:
+    """Whether each request carries its own seed (vLLM keeps a generator only for those,
+    gpu_input_batch.py `generators`)."""
+    ib = runner.input_batch
+    gens = getattr(ib, "generators", None) or {}
+    return [ib.req_id_to_index[r] in gens for r in req_ids]
