@@ -14,7 +14,7 @@
 #   benchmarks/domain_shift.sh [SPEC_BENCH] [OUT] [SCENARIO ...]      (default: all four)
 #   LR=1e-3 benchmarks/domain_shift.sh ... shifted own aba            (skip tuning, use this lr)
 #   LEARN=dense+replay ...      the learn variant of the reported scenarios (default: the one
-#                               tune-learn chose; "base" when tune-learn did not run)
+#                               tune-learn chose; "defaults" (the bench's online settings) when it did not run)
 #   RECIPE='{...}' benchmarks/domain_shift.sh ...   onlinespec settings of every speculative arm,
 #       frozen and learning alike (default: the budget verify policy + prompt lookup, the best
 #       serving recipe measured on this CPU; '{}' = vLLM's drafts verified in full)
@@ -55,7 +55,7 @@ if len(a) > 1: r = merge(r, json.loads(a[1]))
 if 'lr' in r: r['ensemble_lrs'] = [x * r['lr'] for x in (0.3, 1, 3)]
 print(json.dumps(r))" "$RECIPE" "${@:1:1}" ${2:+"$($PY "$REPORT" --run "$OUT" --learn-json "$2")"}; }
 tuned_lr() { echo "${LR:-$($PY "$REPORT" --run "$OUT" --best-lr)}"; }
-tuned_learn() { echo "${LEARN:-$($PY "$REPORT" --run "$OUT" --best-learn 2>/dev/null || echo base)}"; }
+tuned_learn() { echo "${LEARN:-$($PY "$REPORT" --run "$OUT" --best-learn 2>/dev/null || echo defaults)}"; }
 
 for sc in $SCENARIOS; do
   case $sc in

@@ -32,18 +32,27 @@ SCENARIOS = {"shifted": "math word problems the drafter never saw (reported stre
 # How the learner uses its data (issue 14, sample efficiency), chosen on the tune stream. Keys
 # are onlinespec config keys laid over the recipe and the lr; "lr" here overrides the tuned one.
 LEARN_VARIANTS: dict[str, dict] = {
-    "base": {},  # blocks tile the fresh tokens: each a label once, no replay
-    "dense": {"anchor_stride": 1},  # every fresh token anchors a block: a label at every position
-    "replay": {"replay": True},  # batches filled to batch_blocks from recent trained tokens
+    # Each variant names both data-use keys: the bench's online settings (DEFAULT_ONLINE) already
+    # hold replay and dense anchors since session 13, so a variant naming one key only would
+    # inherit the other. "defaults" = DEFAULT_ONLINE as it stands.
+    "defaults": {},
+    "base": {"anchor_stride": None, "replay": False},  # blocks tile the fresh tokens, no replay
+    "dense": {"anchor_stride": 1, "replay": False},  # every fresh token anchors a block
+    "replay": {"anchor_stride": None, "replay": True},  # batches filled from recent trained tokens
     "dense+replay": {"anchor_stride": 1, "replay": True},
-    "dense+replay@1e-3": {"anchor_stride": 1, "replay": True, "lr": 1e-3},  # full batches: larger steps
+    "dense+replay@1e-3": {"anchor_stride": 1, "replay": True, "lr": 1e-3},  # larger steps
     # The learner's matmul dtype (learner_compute_dtype; the variants above use the default,
     # "auto": bf16 autocast where the CPU computes bf16 natively): float32 as before it existed.
-    "replay+fp32": {"replay": True, "learner_compute_dtype": "float32"},
-    "replay@1e-3": {"replay": True, "lr": 1e-3},  # faster updates: more of them, larger steps?
+    "replay+fp32": {"anchor_stride": None, "replay": True, "learner_compute_dtype": "float32"},
+    "replay@1e-3": {"anchor_stride": None, "replay": True, "lr": 1e-3},
     # Each publish loads and re-packs vLLM's drafter weights on the engine thread (~10 ms on
-    # the 2-core box, ~3.5 % of serving at one publish per update): publish every 4th update.
-    "replay+publish-every-4": {"replay": True, "publish": {"every_n_updates": 4}},
+    # the 2-core box): every update against every 4th (DEFAULT_ONLINE since session 11).
+    "replay+publish-every-1": {"anchor_stride": None, "replay": True,
+                               "publish": {"every_n_updates": 1}},
+    "replay+publish-every-4": {"anchor_stride": None, "replay": True,
+                               "publish": {"every_n_updates": 4}},
+    # How much of the wall time the learner may be busy (DEFAULT_ONLINE: 0.25 since session 14).
+    "share-0.8": {"learner_cpu_share": 0.8},
 }
 
 

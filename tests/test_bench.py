@@ -136,6 +136,27 @@ def test_results_roundtrip_and_report(tmp_path):
         assert paths[k].stat().st_size > 1000
 
 
+def test_halves_split_near_half_the_tokens_not_by_window_count(tmp_path):
+    """A continuous protocol's windows: two full 20 s windows and a 4-step tail. The second
+    half must hold the second full window, not the tail alone (the demo's verdict read it)."""
+    spec = make_arm("nospec", target="t", prompts="p", out_dir=tmp_path)
+
+    def window(i, tokens, drafts, accepted):
+        return WaveResult(index=i, prompts=30, output_tokens=tokens, wall_s=20.0, drafts=drafts,
+                          draft_tokens=4 * drafts, accepted=accepted, tpot_ms=25.0)
+
+    tail = ArmResult(spec=spec, waves=[window(0, 3000, 1600, 1400), window(1, 3000, 1600, 1500),
+                                       window(2, 5, 4, 2)])
+    early, late = tail.halves()
+    assert early["output_tokens"] == 3000 and late["output_tokens"] == 3005
+    assert late["acceptance_length"] == pytest.approx((1502 + 1604) / 1604)
+    # Equal waves split as before: the later split on a tie (3 waves: 2 + 1).
+    even = ArmResult(spec=spec, waves=[window(i, 100, 50, 10) for i in range(3)])
+    assert [h["output_tokens"] for h in even.halves()] == [200, 100]
+    one = ArmResult(spec=spec, waves=[window(0, 100, 50, 10)])
+    assert one.halves()[0]["output_tokens"] == 100 and one.halves()[1]["output_tokens"] == 0
+
+
 def test_dtype_defaults_to_what_the_hardware_computes_natively(monkeypatch):
     """bench, bench-serve and the arms default to `auto`: bfloat16 with native bf16 (a GPU, an
     AVX512-BF16/AMX CPU), float32 on a CPU that would emulate it; reports get the resolved

@@ -72,12 +72,15 @@ class PublishConfig(_Section):
 
 
     repack: bool = Field(
-        True, description="CPU only: after each publish, pack the drafter's Linear weights "
-        "for vLLM's CPU GEMM kernels again (oneDNN / SGL), keeping plain copies for the next "
-        "publish; measured faster overall than plain weights (docs/results/step_cost.md: "
-        "online-repack vs online, 12 / 5 / 1 % less per step at batch 1 / 8 / 32) although "
-        "every publish pays for it. False = the drafter runs torch's plain linear while "
-        "learning")
+        True, description="CPU only: the drafter loads with plain Linear weights and they are "
+        "packed for vLLM's CPU GEMM kernels (oneDNN / SGL) by this project, once at start and "
+        "after each publish, keeping plain copies for the next publish; a frozen drafter "
+        "(enabled false) loads the same way, so frozen and learning engines differ only in "
+        "learning (docs/results/drafter_packing.md). A learning drafter was measured faster "
+        "this way than with plain weights although every publish pays for it "
+        "(docs/results/step_cost.md: 12 / 5 / 1 % less per step at batch 1 / 8 / 32). False = "
+        "a learning drafter runs torch's plain linear; a frozen one keeps vLLM's packing at "
+        "load")
 
 
 class CheckpointConfig(_Section):

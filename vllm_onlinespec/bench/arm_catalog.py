@@ -50,9 +50,15 @@ NEVER = 10**12  # publish.every_n_updates that no run reaches
 # docs/results/online_replay.md): 1.031x the frozen drafter's acceptance against 1.015x for
 # tiling, 1.050x against 1.038x on prompts the learner never saw; on the reported stream 1.007x
 # against 1.002x (last quarter 1.063x against 1.034x).
+# learner_cpu_share 0.25 (was 0.8) since session 14: the learner slows the serving core while it
+# updates, by 13-25 % of a decode step as the worker's thread (2-15 % as its own process:
+# docs/results/learner_contention.md), so its cost follows its busy time; on the tuning
+# stream, two orders, online-ogd / frozen tok/s 1.02 / 1.08x at 0.25 (~45 updates) against
+# 0.81 / 0.98x at 0.8 (~135 updates), the same acceptance (1.88 vs 1.88; 1.89 vs 1.87)
+# (docs/results/learner_share.md).
 DEFAULT_ONLINE: dict = {
     "lr": 3e-4, "replay": True, "anchor_stride": 1, "batch_blocks": 32, "anchors_per_request": 16,
-    "min_new_tokens_per_update": 16, "learner_cpu_share": 0.8, "learner_priority": "idle",
+    "min_new_tokens_per_update": 16, "learner_cpu_share": 0.25, "learner_priority": "idle",
     "ensemble_lrs": [1e-4, 3e-4, 1e-3], "publish": {"every_n_updates": 4},
     "buffer": {"window_tokens": 512, "max_tokens": 16384, "max_requests": 64},
 }

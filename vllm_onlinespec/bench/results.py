@@ -139,9 +139,20 @@ class ArmResult:
                 "tpot_ms": _mean([w.tpot_ms for w in ws if w.tpot_ms == w.tpot_ms])}
 
     def halves(self) -> tuple[dict, dict]:
-        """Totals over the first and the second half of the stream (by wave)."""
-        h = (len(self.waves) + 1) // 2
-        return self.totals(self.waves[:h]), self.totals(self.waves[h:])
+        """Totals over the first and the second half of the stream: the split between waves
+        (or time windows) that comes nearest half the output tokens, the later split on a tie.
+        Not by wave count: a continuous protocol's last window is often a short tail (a few
+        steps after the last full window), which would then be all of the "second half"."""
+        return self.totals(self.waves[:self._half()]), self.totals(self.waves[self._half():])
+
+    def _half(self) -> int:
+        if len(self.waves) < 2:
+            return len(self.waves)
+        total, cum, best = sum(w.output_tokens for w in self.waves), 0, (float("inf"), 1)
+        for h, w in enumerate(self.waves[:-1], start=1):
+            cum += w.output_tokens
+            best = min(best, (abs(2 * cum - total), -h))
+        return -best[1]
 
     # -- JSON ---------------------------------------------------------------------------------
     def to_json(self) -> dict:

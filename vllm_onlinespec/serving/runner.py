@@ -48,9 +48,12 @@ class OnlineSpecRunnerMixin:
         self._onlinespec_init()
         # Not guarded: a bad config or an unloadable drafter must stop start-up, loudly.
         cfg = config_from_vllm(self.vllm_config)
-        if cfg.enabled:
-            # Only a learning drafter is republished: keep its Linear weights plain (vLLM
-            # packs them for oneDNN and drops the originals). A frozen one stays packed.
+        if cfg.enabled or (compat.is_cpu() and cfg.publish.repack):
+            # The drafter loads with plain Linear weights (vLLM would pack them for its CPU GEMM
+            # and drop the originals) and the Publisher packs them itself: a learning drafter
+            # must stay republishable, and a frozen one loads the same way so that frozen and
+            # learning engines differ only in learning (vLLM's packing at load also steered the
+            # frozen engine's budget gate differently: docs/results/drafter_packing.md).
             compat.wrap_drafter_load(self)
         out = super().load_model(*args, **kwargs)
         self._onlinespec = OnlineSession(self, cfg, self._onlinespec_guard)

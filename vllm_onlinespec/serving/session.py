@@ -60,7 +60,7 @@ class OnlineSession:
         self.tp = compat.tp_group()
         self.leader = compat.tp_rank(self.tp) == 0
         self._tp_shared = 0  # the newest version broadcast to every rank
-        self.publisher = Publisher(runner, repack=cfg.publish.repack and cfg.enabled)
+        self.publisher = Publisher(runner, repack=cfg.publish.repack)  # CPU only; frozen: once
         self.tracer = DraftTracer.maybe(cfg, runner, self.guard) if self.leader else None
         self.feature_log = self._feature_log(runner) if self.leader else None
         self.metrics = MetricsWriter()
