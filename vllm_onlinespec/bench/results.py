@@ -143,7 +143,8 @@ class ArmResult:
         (or time windows) that comes nearest half the output tokens, the later split on a tie.
         Not by wave count: a continuous protocol's last window is often a short tail (a few
         steps after the last full window), which would then be all of the "second half"."""
-        return self.totals(self.waves[:self._half()]), self.totals(self.waves[self._half():])
+        h = self._half()
+        return self.totals(self.waves[:h]), self.totals(self.waves[h:])
 
     def _half(self) -> int:
         if len(self.waves) < 2:
