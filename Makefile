@@ -24,7 +24,7 @@ $(STAMP): pyproject.toml Makefile
 model: setup
 	$(CLI) model pull smollm2-135m
 
-# Online learning under domain shift (~15 min on a 2-core CPU; `$(CLI) demo --quick`: a few).
+# Online learning under domain shift, two stream orders (~9 min on a 2-vCPU Zen 5; `$(CLI) demo --quick`: a few).
 SPEC_BENCH ?= ../shared/data/spec_bench/question.jsonl
 demo: model
 	$(CLI) demo $(if $(wildcard $(SPEC_BENCH)),--spec-bench $(SPEC_BENCH))

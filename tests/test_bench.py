@@ -157,6 +157,60 @@ def test_halves_split_near_half_the_tokens_not_by_window_count(tmp_path):
     assert one.halves()[0]["output_tokens"] == 100 and one.halves()[1]["output_tokens"] == 0
 
 
+def test_step_profile_roundtrips_and_reports_what_the_worker_did_not_see(tmp_path):
+    """The per-arm step table: the worker's phases per step and the rest of the wall time."""
+    from vllm_onlinespec.bench.report import step_markdown
+
+    spec = make_arm("nospec", target="t", prompts="p", out_dir=tmp_path)
+    spec.name, spec.method, spec.onlinespec = "frozen", "dflash", {"enabled": False}
+    prof = {"steps": 100, "target_s": 2.0, "sample_s": 0.1, "draft_s": 0.5, "ours_s": 0.3,
+            "ours_in_sample_tokens_s": 0.2, "sample_tokens_s": 1.0,
+            "per_step_ms": {"target": 20.0, "sample": 1.0, "draft": 5.0, "ours": 3.0, "other": 2.0}}
+    r = ArmResult(spec=spec, step_profile=prof, learner={"learner": {"busy_s": 1.5}},
+                  waves=[WaveResult(index=0, prompts=4, output_tokens=400, wall_s=4.0, drafts=100,
+                                    draft_tokens=400, accepted=100, tpot_ms=25.0)])
+    again = ArmResult.from_json(json.loads(json.dumps(r.to_json())))
+    assert again.step_profile == prof
+    row = step_markdown([again, ArmResult(spec=make_arm("nospec", target="t", prompts="p",
+                                                        out_dir=tmp_path))]).splitlines()[2:]
+    # wall 40 ms/step; the worker 20 + 10 (sample_tokens) + 1 (ours outside it) = 31 ms
+    assert row == ["| frozen | 100 | 40.0 | 20.00 | 1.00 | 5.00 | 3.00 | 2.00 | 9.00 | 1.5 |"]
+
+
+def test_demo_verdict_needs_the_gain_in_every_stream_order(tmp_path):
+    """The demo runs two stream orders; LEARNED only when both show the gain, and the report
+    over the orders carries the verdict, the medians and one plot with a curve per order."""
+    from vllm_onlinespec.bench.demo import verdict
+    from vllm_onlinespec.bench.report import summarize, summarize_seeds, write_seed_report
+
+    def arm(name, late_accept, tok_s=100.0):
+        spec = make_arm("nospec", target="t", prompts="p", out_dir=tmp_path)
+        spec.name, spec.method = name, "none" if name == "nospec" else "dflash"
+        waves = [WaveResult(index=i, prompts=10, output_tokens=1000, wall_s=1000 / tok_s,
+                            drafts=500, draft_tokens=2000,
+                            accepted=round(((1.8 if i == 0 else late_accept) - 1) * 500),
+                            tpot_ms=25.0) for i in range(2)]
+        reqs = [RequestResult(index=i, prompt_id=str(i), category="c", wave=0, output_tokens=50,
+                              tpot_ms=25.0, acceptance_length=1.8) for i in range(4)]
+        return ArmResult(spec=spec, waves=waves, requests=reqs)
+
+    def order(online_late, tok_s=100.0):
+        return [arm("nospec", 1.0, 120.0), arm("frozen", 1.8, tok_s), arm("online-ogd", online_late)]
+
+    both = verdict([order(1.9), order(1.9)])
+    assert "LEARNED" in both[-2] and "+0.100" in both[-2]
+    one = verdict([order(1.9), order(1.81)])
+    assert "NO measurable learning" in one[-2] and "+0.010" in one[-2]
+    assert one[-1].startswith("throughput, median (min-max) over the orders: nospec 120.0")
+    per_order = [order(1.9, 90.0), order(1.81, 110.0)]
+    rows = summarize_seeds([summarize(r) for r in per_order])
+    paths = write_seed_report(rows, tmp_path / "demo", seeds=(0, 1), meta={}, title="demo",
+                              notes=verdict(per_order), results=per_order)
+    md = paths["markdown"].read_text()
+    assert md.startswith("# demo") and "| frozen | 2 | 100.0 (90.0-110.0) |" in md
+    assert "NO measurable learning" in md and paths["acceptance_requests"].stat().st_size > 1000
+
+
 def test_dtype_defaults_to_what_the_hardware_computes_natively(monkeypatch):
     """bench, bench-serve and the arms default to `auto`: bfloat16 with native bf16 (a GPU, an
     AVX512-BF16/AMX CPU), float32 on a CPU that would emulate it; reports get the resolved

@@ -69,6 +69,13 @@ def onlinespec_stats(llm, spec: ArmSpec) -> OnlineSpecStats:
     return fetch(llm)
 
 
+def step_profile(llm, spec: ArmSpec) -> dict:
+    """The worker's per-phase time over the arm ({} for arms on vLLM's own worker)."""
+    if spec.onlinespec is None:
+        return {}
+    return llm.collective_rpc("onlinespec_step_profile")[0]
+
+
 def request_result(o, index: int, prompt: dict, wave: int, version: int) -> RequestResult:
     comp = o.outputs[0]
     n = len(comp.token_ids)
@@ -112,6 +119,7 @@ def run(spec: ArmSpec) -> ArmResult:
     try:
         (serve_continuous if spec.arrivals else serve_waves)(llm, spec, prompts, params, res)
         res.learner = onlinespec_stats(llm, spec).to_dict() if spec.onlinespec is not None else {}
+        res.step_profile = step_profile(llm, spec)
     finally:
         res.save()
         try:

@@ -258,8 +258,8 @@ def run_bench(args: argparse.Namespace) -> int:
         bad |= any(r.error or r.failed for r in results)
     if len(seeds) > 1:
         seed_rows = R.summarize_seeds(per_seed, failed)
-        path = R.write_seed_report(seed_rows, out, seeds=seeds, meta={
+        paths = R.write_seed_report(seed_rows, out, seeds=seeds, meta={
             "arms": arms, "drafter": drafter, "protocol": protocol, "seeds": seeds,
             "wall_s": round(time.perf_counter() - t0, 1)})
-        print("\n" + R.seeds_markdown(seed_rows) + f"\nover seeds: {path}")
+        print("\n" + R.seeds_markdown(seed_rows) + f"\nover seeds: {paths['markdown']}")
     return 1 if bad else 0

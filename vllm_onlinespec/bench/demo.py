@@ -6,7 +6,12 @@
     3. serve a stream of NEW prompts from ANOTHER domain (Spec-Bench's math word problems when
        a path is given, else built-in chat prompts) through vLLM, three times on the same stream:
        no speculation, the start weights frozen, the start weights learning online
-    4. a table (acceptance length early vs late, tok/s per arm), a PNG, an honest verdict
+    4. a table (acceptance length early vs late, tok/s per arm: median and min-max over the
+       stream orders), a PNG, an honest verdict
+
+Twice, on two orders of the stream, the arms as listed on the first and reversed on the second
+(bench/launch.counterbalanced): one arm's tok/s moves by up to 27 % between runs on this box
+(docs/results/domain_shift.md), and the box's drift then weighs on every arm alike.
 
 Served as a server is: 4 clients in a closed loop, each sending its next request as soon as its
 previous one finished, the learner training beside serving, nothing paused and nothing left out
@@ -41,8 +46,8 @@ class DemoPlan:
 # step on held-out prompts either way (see training/cli.py), so the budget goes to serving.
 DRAFTER_RECIPE = {"max-prompts": 32, "max-new-tokens": 96, "epochs": 2, "max-heldout": 8,
                   "block-size": 5}  # K = 4: verifying 8 tokens costs ~3x a plain step on CPU
-# Sized for the 2-core CPU box: ~15 min full (drafter included), a few minutes quick once the
-# drafter is cached.
+# Sized for the 2-core CPU box: ~9 min full over both stream orders with the shipped drafter
+# (8.9 min on a 2-vCPU Zen 5, docs/results/demo.md), a few minutes quick.
 PLANS = {
     "full": DemoPlan(name="full", stream_prompts=64, max_tokens=96, arrivals="closed:4",
                      window_s=20.0),
@@ -55,6 +60,7 @@ PLANS = {
 # (lr 3e-4 / 1e-3, 4 anchors per request), 24-32 prompts showed no clear gain.
 SERVE_CATEGORIES = ["math_reasoning"]
 ARMS = ("nospec", "frozen", "online-ogd")
+ORDERS = (0, 1)  # stream orders (interleaving seeds); the arms run reversed on the second
 # A gain smaller than this (tokens per verify step) is within what timing alone can move.
 MIN_GAIN = 0.03
 
@@ -76,44 +82,65 @@ def add_demo_parser(sub: argparse._SubParsersAction) -> None:
     d.set_defaults(func=run_demo)
 
 
-def _stream(args, plan: DemoPlan, tok) -> tuple[list, str]:
+def _stream(args, plan: DemoPlan, tok, seed: int) -> tuple[list, str]:
     if args.spec_bench:
         serve = P.spec_bench(args.spec_bench, SERVE_CATEGORIES)
         what = "Spec-Bench " + "+".join(SERVE_CATEGORIES)
     else:
         serve = P.builtin_chat()
         what = "built-in chat prompts"
-    stream = P.interleave(P.by_length(serve, tok, 384), seed=0)[:plan.stream_prompts]
+    stream = P.interleave(P.by_length(serve, tok, 384), seed=seed)[:plan.stream_prompts]
     return stream, what
 
 
-def verdict(results) -> list[str]:
+def learning_gain(results) -> tuple[float, dict, dict] | None:
+    """(online - frozen acceptance over the second half of the stream, online's halves, frozen's
+    halves) of one stream order; None when an arm failed."""
     by = {r.name: r for r in results}
     fr, on = by.get("frozen"), by.get("online-ogd")
     if not fr or not on or fr.error or on.error or not fr.waves or not on.waves:
+        return None
+    fh, oh = fr.halves(), on.halves()
+    return oh[1]["acceptance_length"] - fh[1]["acceptance_length"], oh, fh
+
+
+def verdict(per_order: list[list]) -> list[str]:
+    """LEARNED only when the online arm's second half beats frozen's by MIN_GAIN in every
+    stream order: one order's gain is within what the budget's modes move (domain_shift.md)."""
+    gains = [learning_gain(results) for results in per_order]
+    if not gains or any(g is None for g in gains):
         return ["verdict: an arm failed; see the logs under the output folder"]
-    (fe, fl), (oe, ol) = fr.halves(), on.halves()
-    gain = ol["acceptance_length"] - fl["acceptance_length"]
-    lines = [f"second half of the stream: online {ol['acceptance_length']:.3f} vs frozen "
-             f"{fl['acceptance_length']:.3f} tokens per verify step ({gain:+.3f}); first half "
-             f"{oe['acceptance_length']:.3f} vs {fe['acceptance_length']:.3f}"]
-    if gain >= MIN_GAIN:
-        lines.append(f"verdict: the drafter LEARNED the new domain while serving it: +{gain:.3f} "
-                     f"accepted tokens per verify step over the same start weights frozen, "
-                     f"on prompts it had never seen (drafter version "
-                     f"{on.stats.published_version})")
+    lines = [f"second half of the stream, order {k}: online {oh[1]['acceptance_length']:.3f} vs "
+             f"frozen {fh[1]['acceptance_length']:.3f} tokens per verify step ({gain:+.3f}); "
+             f"first half {oh[0]['acceptance_length']:.3f} vs {fh[0]['acceptance_length']:.3f}"
+             for k, (gain, oh, fh) in enumerate(gains)]
+    low = min(g[0] for g in gains)
+    if low >= MIN_GAIN:
+        versions = ", ".join(str(next(r for r in results if r.name == "online-ogd")
+                                 .stats.published_version) for results in per_order)
+        lines.append(f"verdict: the drafter LEARNED the new domain while serving it: at least "
+                     f"+{low:.3f} accepted tokens per verify step over the same start weights "
+                     f"frozen in every stream order, on prompts it had never seen (drafter "
+                     f"versions {versions})")
     else:
-        lines.append(f"verdict: NO measurable learning in this budget (gain {gain:+.3f} < "
-                     f"{MIN_GAIN}); a longer stream (the full demo, or `vllm-onlinespec bench`) "
-                     f"gives the learner more feedback")
-    ns = by.get("nospec")
-    if ns and ns.waves:
-        lines.append(f"throughput: nospec {ns.totals()['tok_s']:.1f}, frozen "
-                     f"{fr.totals()['tok_s']:.1f}, online {on.totals()['tok_s']:.1f} tok/s "
-                     f"(whole stream, nothing left out; speculative arms: budget verify policy + "
-                     f"prompt lookup; on this CPU a verified token costs nearly a plain token "
-                     f"at 4 requests, and the learner shares the 2 cores with serving)")
+        lines.append(f"verdict: NO measurable learning in this budget (smallest gain {low:+.3f} "
+                     f"< {MIN_GAIN} over {len(gains)} stream orders); a longer stream "
+                     f"(`vllm-onlinespec bench`) gives the learner more feedback")
+    tok_s = {a: [r.totals()["tok_s"] for results in per_order for r in results if r.name == a
+                 and r.waves] for a in ARMS}
+    if all(tok_s.values()):
+        lines.append("throughput, median (min-max) over the orders: " + ", ".join(
+            f"{a} {_median(x):.1f} ({min(x):.1f}-{max(x):.1f})" for a, x in tok_s.items())
+            + " tok/s (whole stream, nothing left out; speculative arms: budget verify policy + "
+            "prompt lookup; on this CPU a verified token costs nearly a plain token at 4 "
+            "requests, and the learner shares the 2 cores with serving)")
     return lines
+
+
+def _median(xs: list[float]) -> float:
+    import statistics
+
+    return statistics.median(xs)
 
 
 def demo_arms(plan: DemoPlan, target: str, stream_path, out: Path, drafter: str):
@@ -133,8 +160,9 @@ def run_demo(args: argparse.Namespace) -> int:
     from transformers import AutoTokenizer
 
     from vllm_onlinespec.bench.drafters import cache_key, ensure_drafter
-    from vllm_onlinespec.bench.report import summarize, text_table, write_report
-    from vllm_onlinespec.bench.launch import run_arms
+    from vllm_onlinespec.bench.launch import counterbalanced, run_arms
+    from vllm_onlinespec.bench.report import (seeds_markdown, summarize, summarize_seeds,
+                                              text_table, write_report, write_seed_report)
     from vllm_onlinespec.models import cache_dir, resolve
 
     t0 = time.perf_counter()
@@ -159,28 +187,41 @@ def run_demo(args: argparse.Namespace) -> int:
         drafter = ensure_drafter(cache_dir() / "drafters" / f"demo-code-{cache_key(flags)}", flags)
     timings["drafter_s"] = time.perf_counter() - t
 
-    stream, what = _stream(args, plan, tok)
-    stream_path = P.write_stream(stream, out / "stream.jsonl")
-    online, specs = demo_arms(plan, target, stream_path, out, str(drafter))
-    print(f"[3/4] serving {len(stream)} new prompts from another domain ({what}), "
-          f"{plan.arrivals.replace('closed:', '')} clients in a closed loop, greedy, up to "
-          f"{plan.max_tokens} tokens, {specs[0].dtype}; arms: " + ", ".join(ARMS)
-          + " (speculative arms: budget verify policy + prompt lookup)", flush=True)
     t = time.perf_counter()
-    results = run_arms(specs, out)
+    per_order, title = [], ""
+    for repeat, seed in enumerate(ORDERS):
+        sub = out / f"seed-{seed}"
+        stream, what = _stream(args, plan, tok, seed)
+        stream_path = P.write_stream(stream, sub / "stream.jsonl")
+        online, specs = demo_arms(plan, target, stream_path, sub, str(drafter))
+        order = [ARMS[i] for i in counterbalanced(len(ARMS), repeat)]
+        print(f"[3/4] order {repeat + 1} of {len(ORDERS)}: serving {len(stream)} new prompts "
+              f"from another domain ({what}), {plan.arrivals.replace('closed:', '')} clients in a "
+              f"closed loop, greedy, up to {plan.max_tokens} tokens, {specs[0].dtype}; arms: "
+              + ", ".join(order) + " (speculative arms: budget verify policy + prompt lookup)",
+              flush=True)
+        results = run_arms(specs, sub, repeat)
+        title = f"vllm-onlinespec demo ({plan.name}): shipped drafter serving {what}"
+        write_report(results, sub, title=f"{title}, stream order {seed}",
+                     meta={"run_order": order, "seed": seed})
+        print("\n" + text_table(summarize(results)) + "\n", flush=True)
+        per_order.append(results)
     timings["serve_s"] = time.perf_counter() - t
     timings["total_s"] = time.perf_counter() - t0
 
     print("[4/4] report", flush=True)
-    notes = verdict(results)
+    notes = verdict(per_order)
     meta = {"plan": asdict(plan), "target": target, "drafter": str(drafter), "stream": what,
-            "online": online, "timings": {k: round(v, 1) for k, v in timings.items()}}
-    paths = write_report(results, out, title=f"vllm-onlinespec demo ({plan.name}): shipped "
-                         f"drafter serving {what}", meta=meta, notes=notes)
-    print("\n" + text_table(summarize(results)) + "\n")
+            "orders": list(ORDERS), "online": online,
+            "timings": {k: round(v, 1) for k, v in timings.items()}}
+    rows = summarize_seeds([summarize(r) for r in per_order],
+                           [{r.name: len(r.failed) for r in results} for results in per_order])
+    paths = write_seed_report(rows, out, seeds=ORDERS, meta=meta, title=title, notes=notes,
+                              results=per_order)
+    print("\n" + seeds_markdown(rows))
     for line in notes:
         print(line)
     print(f"\nplot: {paths.get('acceptance_requests', '-')}\ntable: {paths['markdown']}\n"
           f"wall time: {timings['total_s'] / 60:.1f} min (drafter {timings['drafter_s']:.0f} s, "
           f"serving {timings['serve_s']:.0f} s)")
-    return 1 if any(r.error for r in results) else 0
+    return 1 if any(r.error for results in per_order for r in results) else 0

@@ -127,20 +127,36 @@ def seeds_markdown(rows: Sequence[SeedRow]) -> str:
 
 
 def write_seed_report(rows: Sequence[SeedRow], out_dir: str | Path, *, seeds: Sequence[int],
-                      meta: dict) -> Path:
-    """OUT/report.{json,md} over the seeds (each seed's own report is in OUT/seed-N/)."""
+                      meta: dict, title: str = "", notes: Sequence[str] = (),
+                      results: Sequence[Sequence[ArmResult]] = ()) -> dict[str, Path]:
+    """OUT/report.{json,md} over the seeds (each seed's own report is in OUT/seed-N/, or
+    wherever the caller wrote it). `results`: every seed's arms, in `seeds` order, for one plot
+    of per-request acceptance with a curve per arm and seed."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "report.json").write_text(json.dumps(
-        {"meta": meta, "seeds": list(seeds), "summary": [asdict(r) for r in rows],
+    paths = {"json": out / "report.json", "markdown": out / "report.md"}
+    paths["json"].write_text(json.dumps(
+        {"title": title, "meta": meta, "notes": list(notes), "seeds": list(seeds),
+         "summary": [asdict(r) for r in rows],
          "per_seed": {str(s): str(out / f"seed-{s}" / "report.json") for s in seeds}},
         indent=1, default=str))
-    md = out / "report.md"
-    md.write_text(f"# vllm-onlinespec bench over {len(seeds)} stream orders (seeds "
-                  f"{', '.join(map(str, seeds))})\n\nMedian (min-max) over the seeds; each "
-                  f"seed's table, windows and plots: seed-N/report.md.\n\n"
-                  + seeds_markdown(rows) + "\n```json\n" + json.dumps(meta, indent=1) + "\n```\n")
-    return md
+    title = title or f"vllm-onlinespec bench over {len(seeds)} stream orders"
+    paths["markdown"].write_text(
+        f"# {title}\n\nMedian (min-max) over {len(seeds)} stream orders (seeds "
+        f"{', '.join(map(str, seeds))}); each order's table, windows and plots: "
+        f"seed-N/report.md.\n\n" + seeds_markdown(rows) + "".join(f"\n- {n}" for n in notes)
+        + "\n\n```json\n" + json.dumps(meta, indent=1, default=str) + "\n```\n")
+    if results:
+        import dataclasses
+
+        named = [dataclasses.replace(r, spec=dataclasses.replace(r.spec, name=f"{r.name}, order {s}"))
+                 for s, rs in zip(seeds, results) for r in rs]
+        try:
+            paths["acceptance_requests"] = plot_acceptance_requests(
+                named, out / "acceptance_requests.png", title)
+        except ImportError as e:  # matplotlib is a dev extra: the tables still stand
+            print(f"report: no plots ({e})")
+    return paths
 
 
 def _f(x: float | None, fmt: str = ".2f") -> str:
@@ -166,6 +182,35 @@ def markdown_table(rows: Sequence[Row]) -> str:
             f"{_f(r.acceptance_length) if spec else '1'} | {acc(r.early)} | {acc(r.late)} | "
             f"{acc(r.late - r.early, '+.2f')} | {acc(r.first_20)} | {acc(r.last_quarter)} | "
             f"{r.drafter_version or '-'} | {r.output_tokens} | {r.catch_up_s:.0f} |")
+    return head + "\n".join(lines) + "\n"
+
+
+STEP_PHASES = ("target", "sample", "draft", "ours", "other")
+
+
+def step_markdown(results: Sequence[ArmResult]) -> str:
+    """Where each arm's engine steps went (ms per step; the arms on this project's worker).
+    `engine` is what the worker does not see: the stream's wall time per step minus the
+    worker's phases (scheduler, engine-core <-> worker hand-off, the client threads, and any
+    wait for a CPU the learner holds)."""
+    lines = []
+    for r in results:
+        prof = r.step_profile
+        steps = int(prof.get("steps", 0)) if prof else 0
+        if not steps:
+            continue
+        ms = prof["per_step_ms"]
+        worker = 1e3 * (prof["target_s"] + prof["sample_tokens_s"]
+                        + prof["ours_s"] - prof["ours_in_sample_tokens_s"]) / steps
+        wall = 1e3 * r.totals()["wall_s"] / steps
+        busy = r.stats.learner.busy_s if r.stats.learner is not None else 0.0
+        lines.append(f"| {r.name} | {steps} | {wall:.1f} | "
+                     + " | ".join(f"{ms[k]:.2f}" for k in STEP_PHASES)
+                     + f" | {wall - worker:.2f} | {busy:.1f} |")
+    if not lines:
+        return ""
+    head = ("| arm | engine steps | wall ms/step | target | sample | draft | ours | runner other "
+            "| engine | learner busy s |\n|---|---|---|---|---|---|---|---|---|---|\n")
     return head + "\n".join(lines) + "\n"
 
 
@@ -274,6 +319,9 @@ def write_report(results: Sequence[ArmResult], out_dir: str | Path, *, title: st
         indent=1, default=str))
     md = [f"# {title}", "", markdown_table(rows)]
     md += [f"- {n}" for n in notes]
+    steps = step_markdown(results)
+    if steps:
+        md += ["", "Where the engine steps went (ms per step, over the whole stream):", "", steps]
     if meta:
         md += ["", "Settings:", "", "```json", json.dumps(meta, indent=1, default=str), "```"]
     paths["markdown"].write_text("\n".join(md) + "\n")

@@ -111,6 +111,9 @@ class ArmResult:
     startup_s: float = 0.0
     serve_s: float = 0.0
     learner: dict = field(default_factory=dict)  # final onlinespec_stats RPC dict (learning arms)
+    # The worker's time per phase over the whole arm (serving/step_profile.py: steps, seconds
+    # per phase, per_step_ms): where a learning arm's steps lose time against frozen's.
+    step_profile: dict = field(default_factory=dict)
     error: str | None = None
     failed: list[str] = field(default_factory=list)  # "prompt id: error" of requests that failed
 
@@ -170,7 +173,8 @@ class ArmResult:
                    waves=[_build(WaveResult, w) for w in d.get("waves", [])],
                    requests=[_build(RequestResult, r) for r in d.get("requests", [])],
                    startup_s=d.get("startup_s", 0.0), serve_s=d.get("serve_s", 0.0),
-                   learner=d.get("learner", {}), error=d.get("error"),
+                   learner=d.get("learner", {}), step_profile=d.get("step_profile", {}),
+                   error=d.get("error"),
                    failed=d.get("failed", []))
 
     def save(self, path: str | os.PathLike | None = None) -> Path:
