@@ -66,6 +66,7 @@ def distill_loss(
     mode: str = "reverse_kl",
     impl: str = "auto",
     chunk_size: int | None = None,
+    miss_weight: float = 0.0,
     return_argmax: bool = False,
 ):
     """Fused LM-head + distillation loss of the drafter against the target.
@@ -82,23 +83,30 @@ def distill_loss(
             ``"naive"``, ``"chunked"`` or ``"triton"``.
         chunk_size: chunked: positions per chunk; triton: vocabulary columns per backward
             chunk; ``None`` = heuristic. Ignored by ``"naive"``.
+        miss_weight: extra weight of the positions where the drafter's argmax misses the
+            target's: each such row counts ``1 + miss_weight`` times (>= 0; 0 = off). The
+            normaliser stays ``sum pw``, and no gradient flows through the argmax.
         return_argmax: also return the target and drafter argmax ids (int64 ``[N]``).
 
     Returns:
         The float32 scalar loss, or ``DistillOutput(loss, target_ids, draft_ids)``.
     """
     _check(hd, ht, w, pw, alpha, temperature, clip, mode, impl, chunk_size)
+    if not miss_weight >= 0:  # NaN too
+        raise ValueError(f"distill_loss: miss_weight must be >= 0 (got {miss_weight})")
+    miss_weight = float(miss_weight)
     alpha, temperature = float(alpha), float(temperature)
     clip = None if clip is None else float(clip)
     if impl == "auto":
         impl = "triton" if (hd.is_cuda and triton_available()) else "chunked"
     if impl == "naive":
         return distill_loss_reference(hd, ht, w, pw, alpha=alpha, temperature=temperature,
-                                      clip=clip, mode=mode, return_argmax=return_argmax)
+                                      clip=clip, mode=mode, miss_weight=miss_weight,
+                                      return_argmax=return_argmax)
     if impl == "chunked":
         loss, tgt, draft = distill_loss_chunked(hd, ht, w, pw, alpha=alpha,
                                                 temperature=temperature, clip=clip, mode=mode,
-                                                chunk_size=chunk_size)
+                                                chunk_size=chunk_size, miss_weight=miss_weight)
     else:
         if not triton_available():
             raise ValueError("distill_loss: impl='triton' but triton is not installed")
@@ -111,7 +119,7 @@ def distill_loss(
 
         loss, tgt, draft = distill_loss_triton(hd, ht, w, pw, alpha=alpha,
                                                temperature=temperature, clip=clip, mode=mode,
-                                               chunk_size=chunk_size)
+                                               chunk_size=chunk_size, miss_weight=miss_weight)
     if return_argmax:
         return DistillOutput(loss, tgt, draft)
     return loss

@@ -120,11 +120,20 @@ class GradInForward(torch.autograd.Function):
         return (grad,) + (None,) * (ctx.n_inputs - 1)
 
 
+def miss_emphasis(pwn, target_ids, draft_ids, miss_weight: float):
+    """pwn * (1 + miss_weight) where the drafter's argmax misses the target's (reference.py:
+    m_i), shared by the chunked and the Triton paths; pwn itself where miss_weight is 0."""
+    if not miss_weight:
+        return pwn
+    return pwn * (1.0 + float(miss_weight) * (draft_ids != target_ids).to(pwn.dtype))
+
+
 class ChunkedDistillLoss(GradInForward):
-    """``(hd, ht, w, pw, alpha, T, clip, mode, chunk) -> (loss, target_ids, draft_ids)``."""
+    """``(hd, ht, w, pw, alpha, T, clip, mode, chunk, miss_weight) -> (loss, target_ids,
+    draft_ids)``."""
 
     @staticmethod
-    def forward(ctx, hd, ht, w, pw, alpha, temperature, clip, mode, chunk_size):
+    def forward(ctx, hd, ht, w, pw, alpha, temperature, clip, mode, chunk_size, miss_weight=0.0):
         n, h = hd.shape
         v = w.shape[0]
         T = float(temperature)
@@ -149,6 +158,7 @@ class ChunkedDistillLoss(GradInForward):
             t = p.argmax(dim=-1)
             tgt_ids[s:e] = t
             draft_ids[s:e] = q.argmax(dim=-1)
+            pw_c = miss_emphasis(pwn[s:e], t, draft_ids[s:e], miss_weight)
             lse_q = torch.logsumexp(q, dim=-1)
             ce = lse_q - q.gather(1, t[:, None]).squeeze(1)
             kl = gk = None
@@ -171,7 +181,7 @@ class ChunkedDistillLoss(GradInForward):
                     del b
                 del lqT
             part, coef_ce, coef_kl = row_epilogue(
-                ce, kl, pwn[s:e], alpha=alpha, temperature=T, clip=clip, mode=mode
+                ce, kl, pw_c, alpha=alpha, temperature=T, clip=clip, mode=mode
             )
             loss += part
             if need_grad:
@@ -183,13 +193,15 @@ class ChunkedDistillLoss(GradInForward):
                 grad_hd[s:e] = grad_f32(g, wf, rows)
             del q, gk
 
-        GradInForward.stash(ctx, grad_hd, hd, n_inputs=9)
+        GradInForward.stash(ctx, grad_hd, hd, n_inputs=10)
         ctx.mark_non_differentiable(tgt_ids, draft_ids)
         return loss, tgt_ids, draft_ids
 
 
 def distill_loss_chunked(
-    hd, ht, w, pw, *, alpha=0.8, temperature=1.0, clip=None, mode="reverse_kl", chunk_size=None
+    hd, ht, w, pw, *, alpha=0.8, temperature=1.0, clip=None, mode="reverse_kl", chunk_size=None,
+    miss_weight=0.0
 ):
     """Chunked implementation; returns ``(loss, target_ids, draft_ids)`` (arguments unchecked)."""
-    return ChunkedDistillLoss.apply(hd, ht, w, pw, alpha, temperature, clip, mode, chunk_size)
+    return ChunkedDistillLoss.apply(hd, ht, w, pw, alpha, temperature, clip, mode, chunk_size,
+                                    miss_weight)

@@ -30,7 +30,7 @@ import triton
 import triton.language as tl
 from triton.runtime.jit import JITFunction
 
-from .chunked import GradInForward, row_epilogue
+from .chunked import GradInForward, miss_emphasis, row_epilogue
 from .reference import EPS
 
 _MODE_ID = {"reverse_kl": 0, "forward_kl": 1, "ce": 2}
@@ -259,7 +259,7 @@ def _prepare(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 def distill_forward_triton(hd, ht, w, pw, *, alpha, temperature, clip, mode, need_grad,
-                           chunk_size=None, config=None):
+                           chunk_size=None, config=None, miss_weight=0.0):
     """Run the kernels; returns ``(loss, target_ids, draft_ids, grad_hd float32 or None)``."""
     n, h = hd.shape
     v = w.shape[0]
@@ -329,7 +329,7 @@ def distill_forward_triton(hd, ht, w, pw, *, alpha, temperature, clip, mode, nee
             kl = (r_kl * scT_p).sum(0) / SpT - lse_pT + lse_qT
 
     pwf = pw.detach().float()
-    pwn = pwf / pwf.sum().clamp_min(EPS)
+    pwn = miss_emphasis(pwf / pwf.sum().clamp_min(EPS), tgt_ids, draft_ids, miss_weight)
     loss, coef_ce, coef_kl = row_epilogue(ce, kl, pwn, alpha=alpha, temperature=T, clip=clip,
                                           mode=mode)
     if not need_grad:
@@ -361,21 +361,24 @@ def distill_forward_triton(hd, ht, w, pw, *, alpha, temperature, clip, mode, nee
 
 
 class TritonDistillLoss(GradInForward):
-    """``(hd, ht, w, pw, alpha, T, clip, mode, chunk, config) -> (loss, target_ids, draft_ids)``."""
+    """``(hd, ht, w, pw, alpha, T, clip, mode, chunk, config, miss_weight) -> (loss, target_ids,
+    draft_ids)``."""
 
     @staticmethod
-    def forward(ctx, hd, ht, w, pw, alpha, temperature, clip, mode, chunk_size, config):
+    def forward(ctx, hd, ht, w, pw, alpha, temperature, clip, mode, chunk_size, config,
+                miss_weight=0.0):
         loss, tgt_ids, draft_ids, grad_hd = distill_forward_triton(
             hd, ht, w, pw, alpha=alpha, temperature=temperature, clip=clip, mode=mode,
             need_grad=ctx.needs_input_grad[0], chunk_size=chunk_size, config=config,
+            miss_weight=miss_weight,
         )
-        GradInForward.stash(ctx, grad_hd, hd, n_inputs=10)
+        GradInForward.stash(ctx, grad_hd, hd, n_inputs=11)
         ctx.mark_non_differentiable(tgt_ids, draft_ids)
         return loss, tgt_ids, draft_ids
 
 
 def distill_loss_triton(hd, ht, w, pw, *, alpha=0.8, temperature=1.0, clip=None,
-                        mode="reverse_kl", chunk_size=None, config=None):
+                        mode="reverse_kl", chunk_size=None, config=None, miss_weight=0.0):
     """Triton implementation; returns ``(loss, target_ids, draft_ids)`` (arguments unchecked)."""
     return TritonDistillLoss.apply(hd, ht, w, pw, alpha, temperature, clip, mode, chunk_size,
-                                   config)
+                                   config, miss_weight)

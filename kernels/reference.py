@@ -14,7 +14,12 @@ Definition (implemented exactly; see ``kernels/README.md``)::
           = KL(softmax(p_i/T) || softmax(q_i/T))      mode "forward_kl"
     d_i   = min(T^2 * kl_i, clip)                     (no min when clip is None)
     l_i   = alpha * ce_i + (1 - alpha) * d_i          (mode "ce": l_i = ce_i)
-    loss  = sum_i pw_i * l_i / max(sum_i pw_i, eps)
+    m_i   = 1 + miss_weight * [argmax_j q_ij != t_i]  emphasis on positions the drafter gets wrong
+    loss  = sum_i pw_i * m_i * l_i / max(sum_i pw_i, eps)
+
+``m_i`` is a constant (no gradient flows through the argmax), and the normaliser stays
+``sum_i pw_i``: with ``miss_weight`` > 0 a batch the drafter gets more wrong weighs more, as
+training on rejected positions does (OSD, Liu et al. 2023).
 """
 
 from __future__ import annotations
@@ -47,6 +52,7 @@ def distill_loss_reference(
     temperature: float = 1.0,
     clip: float | None = None,
     mode: str = "reverse_kl",
+    miss_weight: float = 0.0,
     return_argmax: bool = False,
 ):
     """Naive reference; arguments as :func:`vllm_onlinespec.kernels.distill_loss` (unchecked)."""
@@ -72,7 +78,9 @@ def distill_loss_reference(
             d = torch.clamp(d, max=float(clip))  # gradient 0 where the clip is active (d > clip)
         per_pos = alpha * ce + (1.0 - alpha) * d
     pwf = pw.detach().float()
-    loss = (pwf * per_pos).sum() / pwf.sum().clamp_min(EPS)
+    draft = q.detach().argmax(dim=-1)
+    m = 1.0 + float(miss_weight) * (draft != tgt).float()
+    loss = (pwf * m * per_pos).sum() / pwf.sum().clamp_min(EPS)
     if return_argmax:
-        return DistillOutput(loss, tgt, q.detach().argmax(dim=-1))
+        return DistillOutput(loss, tgt, draft)
     return loss

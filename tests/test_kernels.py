@@ -78,9 +78,12 @@ def run(impl, hd0, ht, w, pw, **kw):
     return out, hd.grad
 
 
-def check_against_reference(impl, hd, ht, w, pw, *, mode, clip, T, alpha=0.8, **kw):
-    ref, g_ref = run("naive", hd, ht, w, pw, mode=mode, clip=clip, temperature=T, alpha=alpha)
-    out, g = run(impl, hd, ht, w, pw, mode=mode, clip=clip, temperature=T, alpha=alpha, **kw)
+def check_against_reference(impl, hd, ht, w, pw, *, mode, clip, T, alpha=0.8, miss_weight=0.0,
+                            **kw):
+    ref, g_ref = run("naive", hd, ht, w, pw, mode=mode, clip=clip, temperature=T, alpha=alpha,
+                     miss_weight=miss_weight)
+    out, g = run(impl, hd, ht, w, pw, mode=mode, clip=clip, temperature=T, alpha=alpha,
+                 miss_weight=miss_weight, **kw)
     bf16 = hd.dtype != torch.float32
     # loss: float32 math everywhere, only the summation order differs
     torch.testing.assert_close(out.loss, ref.loss, rtol=1e-5, atol=1e-5)
@@ -174,6 +177,38 @@ def test_loss_is_weighted_mean_of_per_position_losses():
     q = hd.float() @ w.float().T
     t = (ht.float() @ w.float().T).argmax(-1)
     torch.testing.assert_close(c, -torch.log_softmax(q[2], -1)[t[2]])
+
+
+@pytest.mark.parametrize("impl", ["chunked", pytest.param("triton", marks=needs_triton)])
+@pytest.mark.parametrize("mode", MODES)
+def test_miss_weight_matches_reference_values_and_gradients(impl, mode):
+    """Emphasis on the rows the drafter gets wrong: the same in every implementation."""
+    hd, ht, w, pw = make_inputs(33, 64, 257, torch.float32, seed=13)
+    ref, _, _ = check_against_reference(impl, hd, ht, w, pw, mode=mode, clip=None, T=1.0,
+                                        miss_weight=2.0, **({"chunk_size": 4} if impl == "chunked" else {}))
+    miss = ref.draft_ids != ref.target_ids
+    assert 0 < int(miss[pw > 0].sum()) < int((pw > 0).sum())  # the inputs have both kinds of row
+
+
+def test_miss_weight_is_a_row_weight_with_the_plain_normaliser():
+    """loss(miss_weight) = sum pw (1 + mw [miss]) l / sum pw: the weighted rows' loss, scaled
+    by how much weight the misses added; mw = 0 is exactly the plain loss; a drafter that
+    matches the target everywhere is unaffected."""
+    hd, ht, w, pw = make_inputs(33, 16, 100, torch.float32, seed=17)
+    plain = distill_loss(hd, ht, w, pw, impl="chunked", return_argmax=True)
+    assert torch.equal(distill_loss(hd, ht, w, pw, impl="chunked", miss_weight=0.0), plain.loss)
+    miss = (plain.draft_ids != plain.target_ids).float()
+    pw2 = pw * (1.0 + 3.0 * miss)
+    for impl in ("naive", "chunked"):
+        got = distill_loss(hd, ht, w, pw, impl=impl, miss_weight=3.0)
+        want = distill_loss(hd, ht, w, pw2, impl=impl) * pw2.sum() / pw.sum()
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+        assert got > plain.loss  # the misses add weight to positive per-row losses
+        same = distill_loss(ht, ht, w, pw, impl=impl, mode="ce")
+        torch.testing.assert_close(distill_loss(ht, ht, w, pw, impl=impl, mode="ce",
+                                                miss_weight=3.0), same)
+    with pytest.raises(ValueError, match="miss_weight must be >= 0"):
+        distill_loss(hd, ht, w, pw, miss_weight=-1.0)
 
 
 # --------------------------------------------------------------------------- Triton vs reference

@@ -114,6 +114,11 @@ class LossConfig(_Section):
         "sequences trained on (offline: the whole training set; online: every feedback batch so "
         "far, growing), ~3x faster steps on a CPU; 'full' = the whole vocabulary. Serving always "
         "uses the whole LM head, and offline held-out evaluation does too")
+    miss_weight: float = Field(
+        0.0, ge=0.0, description="emphasis on the positions the drafter gets wrong (as OSD "
+        "trains on rejected tokens): a row where the drafter's argmax differs from the "
+        "target's counts 1 + miss_weight times (>= 0, dimensionless; 0 = every row alike). "
+        "Measured on the tuning stream by the replay (docs/results/online_replay.md)")
 
 
 class LengthHeadConfig(_Section):

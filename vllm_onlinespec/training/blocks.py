@@ -221,7 +221,7 @@ def block_loss(drafter: DFlashDrafter, ids: Tensor, aux: Tensor, final_hidden: T
         w = lm_head_w if vocab is None else vocab.weight
         out = distill_loss(h[rows], ht[rows].to(h.dtype), w, pw[rows], alpha=cfg.alpha,
                            temperature=cfg.temperature, clip=cfg.clip, mode=cfg.mode, impl=impl,
-                           return_argmax=True)
+                           miss_weight=cfg.miss_weight, return_argmax=True)
         distill, tgt_rows, draft_rows = out.loss, out.target_ids, out.draft_ids
         if vocab is not None:  # subset positions -> token ids, comparable with the labels
             tgt_rows, draft_rows = vocab.ids[tgt_rows], vocab.ids[draft_rows]
