@@ -101,7 +101,8 @@ def learning_gain(results) -> tuple[float, dict, dict] | None:
     if not fr or not on or fr.error or on.error or not fr.waves or not on.waves:
         return None
     fh, oh = fr.halves(), on.halves()
-    return oh[1]["acceptance_length"] - fh[1]["acceptance_length"], oh, fh
+    # Rounded as printed (+ 0.0: a -0.0004 gain prints as +0.000, not -0.000).
+    return round(oh[1]["acceptance_length"] - fh[1]["acceptance_length"], 3) + 0.0, oh, fh
 
 
 def verdict(per_order: list[list]) -> list[str]:
