@@ -30,9 +30,12 @@ def served(smollm2_path):
                                   "num_speculative_tokens": K},
               additional_config={"onlinespec": {
                   "enabled": False,
-                  # explore often: the run must switch between drafting and K = 0 many times
+                  # explore often: the run must switch between drafting and K = 0 many times.
+                  # rho 0.25 prices a verified token 4x: in float32 on a fast CPU the drafter
+                  # can pay at full K in every step, and a gate that never shuts never explores
+                  # (a run of 50 open steps failed the precondition below).
                   "length_head": {"policy": "budget", "k_min": 0, "explore_every": 3,
-                                  "explore_requests": 4, "head_gate_labels": 8},
+                                  "explore_requests": 4, "head_gate_labels": 8, "rho": 0.25},
                   "prompt_lookup": {"enabled": True, "min_n": 1, "min_tokens": 1}}})
     try:
         params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
