@@ -125,7 +125,7 @@ def miss_emphasis(pwn, target_ids, draft_ids, miss_weight: float):
     m_i), shared by the chunked and the Triton paths; pwn itself where miss_weight is 0."""
     if not miss_weight:
         return pwn
-    return pwn * (1.0 + float(miss_weight) * (draft_ids != target_ids).to(pwn.dtype))
+    return pwn * (1.0 + miss_weight * (draft_ids != target_ids).to(pwn.dtype))
 
 
 class ChunkedDistillLoss(GradInForward):

@@ -127,21 +127,17 @@ def verdict(per_order: list[list]) -> list[str]:
         lines.append(f"verdict: NO measurable learning in this budget (smallest gain {low:+.3f} "
                      f"< {MIN_GAIN} over {len(gains)} stream orders); a longer stream "
                      f"(`vllm-onlinespec bench`) gives the learner more feedback")
-    tok_s = {a: [r.totals()["tok_s"] for results in per_order for r in results if r.name == a
-                 and r.waves] for a in ARMS}
+    from vllm_onlinespec.bench.report import median_spread
+
+    tok_s = {a: median_spread(r.totals()["tok_s"] for results in per_order for r in results
+                              if r.name == a and r.waves) for a in ARMS}
     if all(tok_s.values()):
         lines.append("throughput, median (min-max) over the orders: " + ", ".join(
-            f"{a} {_median(x):.1f} ({min(x):.1f}-{max(x):.1f})" for a, x in tok_s.items())
+            f"{a} {m:.1f} ({lo:.1f}-{hi:.1f})" for a, (m, lo, hi, _) in tok_s.items())
             + " tok/s (whole stream, nothing left out; speculative arms: budget verify policy + "
             "prompt lookup; on this CPU a verified token costs nearly a plain token at 4 "
             "requests, and the learner shares the 2 cores with serving)")
     return lines
-
-
-def _median(xs: list[float]) -> float:
-    import statistics
-
-    return statistics.median(xs)
 
 
 def demo_arms(plan: DemoPlan, target: str, stream_path, out: Path, drafter: str):
