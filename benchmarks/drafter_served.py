@@ -2,10 +2,14 @@
 
     python benchmarks/drafter_served.py --prompts RUN/heldout_prompts.jsonl \
         --arm nospec --arm dflash:DRAFTER_DIR:4 [--arm dflash:OTHER:7 ...] \
+        [--arm recipe:DRAFTER_DIR:4] [--arm ngram:4] [--arm suffix:16] \
         --batch1 12 --batch8 32 --max-tokens 128 --out runs/drafter/served.json
 
-Every arm is one engine in its own subprocess (one engine at a time on the CPU box; a fresh
-process per engine keeps timings independent). Each engine serves the held-out prompts twice:
+`dflash` arms are vLLM's own DFlash worker; `recipe` arms serve the drafter through this
+project's worker with learning off and the CPU serving recipe (budget + prompt lookup);
+`ngram` and `suffix` are vLLM's training-free methods. Every arm is one engine in its own
+subprocess (one engine at a time on the CPU box; a fresh process per engine keeps timings
+independent). Each engine serves the held-out prompts twice:
 one at a time (batch 1: `--batch1` prompts, one request per `llm.chat` call) and in waves of 8
 concurrent requests (`--batch8` prompts). Acceptance is read from vLLM's own spec-decode
 counters (accepted + drafts) / drafts, the same figure as vLLM's "mean acceptance length".
@@ -28,6 +32,10 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+# The CPU serving recipe of this project's worker with learning off (README): the budget
+# verify policy (it may verify nothing where a draft does not pay) and prompt lookup.
+SERVING_RECIPE = {"enabled": False, "length_head": {"policy": "budget", "k_min": 0},
+                  "prompt_lookup": {"enabled": True}}
 COUNTERS = {"accepted": "vllm:spec_decode_num_accepted_tokens",
             "drafts": "vllm:spec_decode_num_drafts"}
 
@@ -74,13 +82,16 @@ class ArmConf:
             return cls(name="nospec", method="none")
         if parts[0] == "ngram" and len(parts) == 2:
             return cls(name=f"ngram-k{parts[1]}", method="ngram", k=int(parts[1]))
-        if parts[0] == "dflash" and len(parts) == 3:
+        if parts[0] == "suffix" and len(parts) == 2:
+            return cls(name=f"suffix-k{parts[1]}", method="suffix", k=int(parts[1]))
+        if parts[0] in ("dflash", "recipe") and len(parts) == 3:
             d = Path(parts[1])
             if not (d / "config.json").is_file():
                 raise SystemExit(f"--arm {spec}: {d} has no config.json")
-            return cls(name=f"dflash-k{parts[2]}:{d.name}", method="dflash", drafter=str(d),
+            return cls(name=f"{parts[0]}-k{parts[2]}:{d.name}", method=parts[0], drafter=str(d),
                        k=int(parts[2]))
-        raise SystemExit(f"--arm {spec!r}: expected nospec, ngram:K or dflash:DIR:K")
+        raise SystemExit(f"--arm {spec!r}: expected nospec, ngram:K, suffix:K, dflash:DIR:K or "
+                         "recipe:DIR:K")
 
 
 def _counters(llm) -> dict[str, int]:
@@ -95,9 +106,13 @@ def run_engine(arm: ArmConf, prompts: list[dict], n1: int, n8: int, max_tokens: 
     from vllm_onlinespec.engine import engine_kwargs
 
     kw = engine_kwargs()
-    if arm.method == "dflash":
+    if arm.method in ("dflash", "recipe"):
         kw["speculative_config"] = {"method": "dflash", "model": arm.drafter,
                                     "num_speculative_tokens": arm.k}
+    if arm.method == "recipe":
+        kw["additional_config"] = {"onlinespec": SERVING_RECIPE}
+    elif arm.method == "suffix":
+        kw["speculative_config"] = {"method": "suffix", "num_speculative_tokens": arm.k}
     elif arm.method == "ngram":
         kw["speculative_config"] = {"method": "ngram", "num_speculative_tokens": arm.k,
                                     "prompt_lookup_min": 2, "prompt_lookup_max": 4}

@@ -32,3 +32,13 @@ def test_walk_policies_per_step_choices():
     assert w["oracle"].per_step == w["ngram-first"].per_step == w["dflash"].per_step == 3.0
     with pytest.raises(ValueError, match="unknown policy"):
         H.choose("both", 1, 1, 2, 2)
+
+
+def test_first_token_split_and_ratio_se():
+    # positions: lookup matches K=2 tokens at 0 and 2; the drafter gets the first token at 0, 1.
+    ft = H.first_token([1, 2, 0, -1], [2, 0, 1, 0], [2, 0, 2, 2], 2)
+    assert (ft.hit, ft.hit_dflash, ft.hit_lookup, ft.miss, ft.miss_dflash) == (2, 1, 2, 1, 1)
+    assert ft.as_dict()["dflash_first_on_hit"] == 0.5
+    assert H.ratio_se([10, 10, 10], [20, 20, 20]) == 0.0  # identical sequences: no spread
+    se = H.ratio_se([10, 10, 10, 10], [10, 30, 10, 30])
+    assert 0.2 < se < 0.7  # ~ sd of per-sequence ratios (1) / sqrt(4)

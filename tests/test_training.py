@@ -18,8 +18,8 @@ from vllm_onlinespec.config import LossConfig
 from vllm_onlinespec.drafter import DFlashConfig, DFlashDrafter, LengthHead, load_drafter
 from vllm_onlinespec.training import data
 from vllm_onlinespec.training.blocks import (LossVocab, block_loss, greedy_accepted,
-                                             response_mask, sample_anchors, walk_acceptance,
-                                             walk_steps)
+                                             response_mask, sample_anchors, target_argmax,
+                                             walk_acceptance, walk_steps)
 from vllm_onlinespec.training.generate import SamplingSpec, generate
 from vllm_onlinespec.training.trainer import TrainConfig, train
 
@@ -214,6 +214,81 @@ def test_loss_vocab_projects_onto_its_rows_and_reports_token_ids():
         LossVocab.of(head, torch.tensor([0, 50]))
 
 
+def test_cached_labels_give_the_ce_loss_of_the_target_head():
+    """CE mode with the target's argmax cached (target_ids) is the CE mode that runs the
+    target's head every step: the same loss, gradient and statistics, whole vocabulary and a
+    subset; a label outside the subset adds no loss."""
+    cfg, drafter = _tiny_drafter(block_size=4)
+    g = torch.Generator().manual_seed(5)
+    ids = torch.randint(1, 50, (2, 12), generator=g)
+    aux, final = torch.randn(2, 12, 64, generator=g), torch.randn(2, 12, 32, generator=g)
+    emb, head = torch.randn(50, 32, generator=g), torch.randn(50, 32, generator=g)
+    anchors = torch.tensor([[1, 5, 9], [0, 4, -1]])
+    lengths = torch.tensor([12, 10])
+    tgt = torch.stack([target_argmax(f, head) for f in final])
+    assert torch.equal(tgt, (final @ head.T).argmax(-1))
+    kw = dict(loss_cfg=LossConfig(mode="ce", gamma=2.0), lengths=lengths, impl="naive")
+    for vocab in (None, LossVocab.of(head, torch.cat([ids.flatten(), tgt.flatten()]))):
+        ref, st_ref = block_loss(drafter, ids, aux, final, anchors, emb, head, vocab=vocab, **kw)
+        got, st = block_loss(drafter, ids, aux, torch.full_like(final, float("nan")), anchors,
+                             emb, head, vocab=vocab, target_ids=tgt, **kw)
+        torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-6)
+        assert st.match == st_ref.match and st.accepted == st_ref.accepted
+        g1 = torch.autograd.grad(got, drafter.fc.weight)[0]
+        g2 = torch.autograd.grad(ref, drafter.fc.weight)[0]
+        torch.testing.assert_close(g1, g2, rtol=1e-4, atol=1e-7)
+    # Labels outside the vocabulary: only the rows whose label is inside count.
+    inside = LossVocab.of(head, torch.arange(25))
+    got, _ = block_loss(drafter, ids, aux, final, anchors, emb, head, vocab=inside,
+                        target_ids=tgt, **kw)
+    h = drafter.train_hidden(aux, ids, anchors, emb)
+    num = den = 0.0
+    for b in range(2):
+        for j in range(3):
+            a = int(anchors[b, j])
+            for r in range(3):
+                if a < 0 or a + 1 + r >= int(lengths[b]):
+                    continue
+                w = math.exp(-r / 2.0)
+                den += w
+                t = int(tgt[b, a + r])
+                if t < 25:
+                    num = num - w * F.log_softmax(h[b, j, r] @ head[:25].T, -1)[t]
+    torch.testing.assert_close(got, num / den, rtol=1e-5, atol=1e-6)
+
+
+def test_target_labels_equal_the_model_heads_argmax(walk_target):
+    from vllm_onlinespec.training.trainer import Example, add_target_labels
+
+    model, _ = walk_target
+    ids = torch.randint(3, VOCAB, (1, 20), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        out = model(ids, output_hidden_states=True)
+    e = Example(ids=ids[0], start=6, aux=torch.zeros(20, 4), final=out.hidden_states[-1][0])
+    add_target_labels([e], model.lm_head.weight)
+    assert torch.equal(e.tgt[5:], out.logits[0, 5:].argmax(-1))
+
+
+def test_feature_scale_folded_into_fc_equals_scaling_the_inputs():
+    from vllm_onlinespec.training.trainer import Example, feature_scale, fold_feature_scale
+
+    cfg, drafter = _tiny_drafter(block_size=4)
+    g = torch.Generator().manual_seed(7)
+    aux = torch.randn(2, 12, 64, generator=g) * torch.logspace(-1, 2.5, 64)  # a few massive dims
+    ids = torch.randint(1, 50, (2, 12), generator=g)
+    emb = torch.randn(50, 32, generator=g)
+    scale = feature_scale([Example(ids=ids[0], start=0, aux=aux[0], final=aux[0]),
+                           Example(ids=ids[1], start=0, aux=aux[1], final=aux[1])])
+    rms = (aux.reshape(-1, 64).pow(2).mean(0).sqrt())
+    torch.testing.assert_close(scale, 1 / rms)
+    anchors = torch.tensor([[2, 6], [1, 7]])
+    want = drafter.train_hidden(aux * scale, ids, anchors, emb)
+    folded = fold_feature_scale(drafter, scale)
+    torch.testing.assert_close(folded.train_hidden(aux, ids, anchors, emb), want,
+                               rtol=1e-4, atol=1e-5)
+    assert not torch.equal(drafter.fc.weight, folded.fc.weight)  # a copy; the original stays
+
+
 def test_walk_acceptance_steps_like_serving():
     # a block at 0 accepts 2 -> next anchor 3 accepts 1 -> next 5 has no full window: stop
     assert walk_acceptance([2, 0, 0, 1, 0, -1, 3], 4) == (2, 5)
@@ -393,6 +468,53 @@ def test_training_lowers_loss_and_raises_acceptance(walk_target, walk_samples, t
     assert dcfg.mask_token_id == 0 and dcfg.block_size == 4 and head is not None
     meta = json.loads((tmp_path / "run" / "train_meta.json").read_text())
     assert meta["num_speculative_tokens"] == 3 and meta["train_sequences"] == 64
+
+
+def test_ce_training_on_cached_labels_with_normalised_features(walk_target, walk_samples,
+                                                                tmp_path):
+    """The fast recipe (CE on cached target labels, normalised features, bf16 autocast) learns,
+    and the exported drafter reads raw features: loaded from disk, it scores the held-out
+    answers as the trained one did on normalised ones."""
+    from vllm_onlinespec.training.trainer import evaluate
+
+    model, _ = walk_target
+    train_s, held_s = walk_samples
+    cfg = _cfg(loss=LossConfig(mode="ce", gamma=2.0), normalize_features=True,
+               compute_dtype="bfloat16")
+    res = train("unused", train_s, held_s, tmp_path / "run", cfg, target=model,
+                log=lambda m: None)
+    first, last = res.evals[0], res.evals[-1]
+    assert last["loss"] < 0.5 * first["loss"]
+    assert first["accepted"] < 0.2 and last["accepted"] > 0.5
+    state = torch.load(tmp_path / "run" / "train_state" / "state.pt", weights_only=False)
+    assert state["feature_scale"] is not None and state["loss_vocab_ids"] is not None
+    _, loaded, _ = load_drafter(tmp_path / "run", dtype=torch.float32)
+    from vllm_onlinespec.training.trainer import extract_features
+
+    raw = extract_features(model, held_s, loaded.config.target_layer_ids, dtype=torch.float32)
+    emb, head = model.model.embed_tokens.weight, model.lm_head.weight
+    ev = evaluate(loaded.float(), None, raw, emb, head, cfg)
+    # bf16 export of the folded weights: the same acceptance within rounding.
+    assert ev["accepted"] == pytest.approx(last["accepted"], abs=0.05)
+
+
+def test_training_exports_the_reduced_draft_vocabulary_it_trained(walk_target, walk_samples,
+                                                                   tmp_path):
+    from vllm_onlinespec.drafter import load_draft_vocab
+
+    model, _ = walk_target
+    train_s, held_s = walk_samples
+    cfg = _cfg(epochs=1, loss=LossConfig(mode="ce"), draft_vocab_size=40)
+    res = train("unused", train_s, held_s, tmp_path / "run", cfg, target=model,
+                log=lambda m: None)
+    vocab = load_draft_vocab(tmp_path / "run", dtype=torch.float32)
+    state = torch.load(tmp_path / "run" / "train_state" / "state.pt", weights_only=False)
+    assert len(vocab) == 40 and torch.equal(vocab.ids, state["loss_vocab_ids"])
+    assert 2 in vocab.ids.tolist()  # the target's end-of-sequence token is always in
+    torch.testing.assert_close(vocab.weight, model.lm_head.weight[vocab.ids].to(torch.bfloat16).float())
+    assert "walk_acceptance" in res.evals[-1]
+    with pytest.raises(ValueError, match="draft_vocab_size needs loss mode 'ce'"):
+        _cfg(draft_vocab_size=40)
 
 
 def test_resume_continues_with_identical_state(walk_target, walk_samples, tmp_path):

@@ -339,7 +339,8 @@ class PromptLookupConfig(_Section):
 
 
 class OnlineSpecConfig(_Section):
-    """Root configuration of online speculative decoding (`--onlinespec-config` JSON)."""
+    """Root configuration of online speculative decoding: the `onlinespec` object of vLLM's
+    `--additional-config` JSON (docs/configuration.md lists every key)."""
 
     enabled: bool = Field(True, description="learn online while serving (False = frozen drafter)")
     drafter: str | None = Field(

@@ -1,7 +1,9 @@
 """Drafter checkpoints in the folder layout vLLM loads with `method: "dflash"`.
 
     config.json                    DFlashConfig.to_hf_dict()
-    model.safetensors              drafter tensors only (no embed_tokens/lm_head: the target's)
+    model.safetensors              drafter tensors only (no embed_tokens/lm_head: the target's);
+                                   with a reduced draft vocabulary also `lm_head.weight` [Vd, H]
+                                   and `d2t` [Vd] int64, vLLM's names (drafter/vocab.py)
     model.safetensors.index.json   weight_map of exactly those tensors, so vLLM's loader skips
                                    every other *.safetensors file in the folder
     length_head.safetensors        optional, keys `length_head.*`: vLLM's AutoWeightsLoader raises
@@ -26,6 +28,7 @@ from torch import Tensor
 from .config import DFlashConfig
 from .length_head import LengthHead
 from .model import DFlashDrafter
+from .vocab import DraftVocab
 
 CONFIG = "config.json"
 WEIGHTS = "model.safetensors"
@@ -33,6 +36,8 @@ INDEX = "model.safetensors.index.json"
 LENGTH_HEAD = "length_head.safetensors"
 LENGTH_PREFIX = "length_head."
 _TARGET_OWNED = ("embed_tokens.", "lm_head.")  # shipped by some foreign checkpoints; not ours
+_VOCAB_KEYS = ("lm_head.weight", "d2t")  # a reduced draft vocabulary (load_draft_vocab)
+_IGNORED = ("t2d",)  # EAGLE-3's reverse map: vLLM ignores it too
 
 
 def state_dict_for_vllm(drafter: DFlashDrafter, dtype: torch.dtype | None = None) -> list[tuple[str, Tensor]]:
@@ -61,17 +66,26 @@ def _tensors(pairs: Iterator[tuple[str, Tensor]] | list[tuple[str, Tensor]]) -> 
 
 
 def save_drafter(path: str | os.PathLike, config: DFlashConfig, drafter: DFlashDrafter,
-                 length_head: LengthHead | None = None, dtype: torch.dtype | None = None) -> Path:
+                 length_head: LengthHead | None = None, dtype: torch.dtype | None = None,
+                 draft_vocab: DraftVocab | None = None) -> Path:
     """Write the checkpoint folder atomically: readers see the old folder or the new one, never a
-    half-written one. dtype defaults to config.torch_dtype (training may run in fp32)."""
+    half-written one. dtype defaults to config.torch_dtype (training may run in fp32).
+    draft_vocab: a reduced draft vocabulary (sets config.draft_vocab_size)."""
     dst = Path(path)
     dtype = dtype or getattr(torch, config.torch_dtype)
     dtype_name = str(dtype).removeprefix("torch.")
-    cfg = dataclasses.replace(config, torch_dtype=dtype_name)
+    if config.draft_vocab_size is not None and draft_vocab is None:
+        raise ValueError("save_drafter: the config has draft_vocab_size "
+                         f"{config.draft_vocab_size} but no draft_vocab was given")
+    cfg = dataclasses.replace(config, torch_dtype=dtype_name, draft_vocab_size=(
+        len(draft_vocab) if draft_vocab is not None else None))
     dst.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{dst.name}.tmp-", dir=dst.parent))
     try:
         weights = _tensors(state_dict_for_vllm(drafter, dtype))
+        if draft_vocab is not None:
+            weights.update(_tensors([("lm_head.weight", draft_vocab.weight.to(dtype)),
+                                     ("d2t", draft_vocab.d2t())]))
         save_file(weights, tmp / WEIGHTS, metadata={"format": "pt"})
         total = sum(t.numel() * t.element_size() for t in weights.values())
         _write_json(tmp / INDEX, {"metadata": {"total_size": total},
@@ -141,7 +155,8 @@ def load_drafter(path: str | os.PathLike, device: str | torch.device = "cpu",
         if not (src / name).is_file():
             raise FileNotFoundError(f"{src}: missing weight file {name}")
         weights.update(_read_safetensors(src / name))
-    weights = {k: v for k, v in weights.items() if not k.startswith(_TARGET_OWNED)}
+    weights = {k: v for k, v in weights.items()
+               if not k.startswith(_TARGET_OWNED) and k not in _VOCAB_KEYS + _IGNORED}
 
     drafter = DFlashDrafter(config)
     expected = drafter.state_dict()
@@ -170,3 +185,30 @@ def load_drafter(path: str | os.PathLike, device: str | torch.device = "cpu",
             raise ValueError(f"{src / LENGTH_HEAD}: {str(e).splitlines()[0]}") from None
         head.to(device=device, dtype=dtype)
     return config, drafter, head
+
+
+def load_draft_vocab(path: str | os.PathLike, device: str | torch.device = "cpu",
+                     dtype: torch.dtype | None = None) -> DraftVocab | None:
+    """The checkpoint's reduced draft vocabulary (its own lm_head rows and d2t), or None when
+    it drafts over the target's whole vocabulary. A missing or inconsistent tensor fails in
+    one line naming it."""
+    src = Path(path)
+    config = load_drafter_config(src)
+    if config.draft_vocab_size is None:
+        return None
+    files = [WEIGHTS]
+    if (src / INDEX).is_file():
+        files = sorted(set(json.loads((src / INDEX).read_text())["weight_map"].values()))
+    found: dict[str, Tensor] = {}
+    for name in files:
+        found.update({k: v for k, v in _read_safetensors(src / name).items() if k in _VOCAB_KEYS})
+    for key in _VOCAB_KEYS:
+        if key not in found:
+            raise ValueError(f"{src}: draft_vocab_size is {config.draft_vocab_size} but the "
+                             f"checkpoint has no {key!r}")
+    w = found["lm_head.weight"]
+    if list(w.shape) != [config.draft_vocab_size, config.hidden_size]:
+        raise ValueError(f"{src}: lm_head.weight has shape {list(w.shape)}, config needs "
+                         f"[{config.draft_vocab_size}, {config.hidden_size}]")
+    vocab = DraftVocab.from_d2t(found["d2t"], w, config.vocab_size, where=str(src))
+    return vocab.to(device=device, dtype=dtype or getattr(torch, config.torch_dtype))

@@ -87,6 +87,9 @@ class DFlashConfig:
     num_target_layers: int | None = None  # only for z-lab readers and range checks
     torch_dtype: str = "bfloat16"
     initializer_range: float = 0.02
+    # A reduced draft vocabulary (vLLM's draft_vocab_size + d2t; drafter/vocab.py): the
+    # checkpoint then holds its own lm_head rows and d2t. None = the target's whole LM head.
+    draft_vocab_size: int | None = None
 
     def __post_init__(self) -> None:
         if self.target_hidden_size is None:
@@ -133,6 +136,10 @@ class DFlashConfig:
             bad("hidden_act", "only 'silu' is implemented")
         if not 0 <= self.mask_token_id < self.vocab_size:
             bad("mask_token_id", f"must be a token id in [0, {self.vocab_size})")
+        dvs = self.draft_vocab_size
+        if dvs is not None and (not isinstance(dvs, int) or isinstance(dvs, bool)
+                                or not 1 <= dvs <= self.vocab_size):
+            bad("draft_vocab_size", f"must be an int in [1, vocab_size={self.vocab_size}]")
         ids = self.target_layer_ids
         if not ids:
             bad("target_layer_ids", "must not be empty")
@@ -214,8 +221,9 @@ class DFlashConfig:
                 refuse(name, "not implemented")
         if not pick("use_aux_hidden_state", True):
             refuse("use_aux_hidden_state", "drafters without target features are not implemented")
-        if d.get("draft_vocab_size") not in (None, d.get("vocab_size")):
-            refuse("draft_vocab_size", "a reduced draft vocabulary is not implemented")
+        dvs = d.get("draft_vocab_size")
+        if dvs is not None and not (isinstance(dvs, int) and not isinstance(dvs, bool)):
+            refuse("draft_vocab_size", f"must be an int, got {dvs!r}")
         if (kind := _rope_type(d)) != "default":
             refuse("rope_parameters", f"rope_type {kind!r} is not implemented")
 
@@ -253,6 +261,7 @@ class DFlashConfig:
             num_target_layers=int(num_target_layers) if num_target_layers is not None else None,
             torch_dtype=str(d.get("torch_dtype") or d.get("dtype") or "bfloat16"),
             initializer_range=float(d.get("initializer_range", 0.02)),
+            draft_vocab_size=dvs if dvs not in (None, d.get("vocab_size")) else None,
         )
 
     def to_hf_dict(self) -> dict[str, Any]:
@@ -291,4 +300,6 @@ class DFlashConfig:
         }
         if self.num_target_layers is not None:
             d["num_target_layers"] = self.num_target_layers
+        if self.draft_vocab_size is not None:
+            d["draft_vocab_size"] = self.draft_vocab_size
         return d

@@ -31,7 +31,7 @@ import torch
 from torch import nn
 
 from ..config import LossConfig, OnlineSpecConfig
-from ..drafter import DFlashConfig, LengthHead, load_drafter, save_drafter
+from ..drafter import DFlashConfig, LengthHead, load_draft_vocab, load_drafter, save_drafter
 from .batches import BlockBatch, make_batch_fn
 from .buffer import FeedbackBuffer
 from .device import compute_dtype, learner_dtype, normalize_device, resolve_device
@@ -70,7 +70,7 @@ class DistillObjective:
 
     def __init__(self, embed_w: torch.Tensor, lm_head_w: torch.Tensor, loss_cfg: LossConfig,
                  device: torch.device | str | None = None,
-                 autocast: torch.dtype | None = None) -> None:
+                 autocast: torch.dtype | None = None, draft_vocab=None) -> None:
         self.device = normalize_device(device) if device is not None else lm_head_w.device
         # bf16 matmuls under torch autocast (learner_compute_dtype); None = as the tensors are.
         self.autocast = autocast
@@ -82,7 +82,9 @@ class DistillObjective:
         # (served text reuses a few thousand tokens, so it stops growing early and the loss
         # projects onto ~1/5 of the LM head; blocks.LossVocab).
         self._seen = (torch.zeros(self.lm_head_w.shape[0], dtype=torch.bool, device=self.device)
-                      if loss_cfg.vocab == "seen" else None)
+                      if loss_cfg.vocab == "seen" and draft_vocab is None else None)
+        # A drafter served with a reduced vocabulary (d2t) trains against exactly its rows.
+        self._fixed = draft_vocab.to(self.device) if draft_vocab is not None else None
         self._vocab = None
 
     def vocab_for(self, ids: torch.Tensor):
@@ -90,6 +92,8 @@ class DistillObjective:
         Rebuilt only when a batch brings a new token: the slice copies the rows it keeps."""
         from ..training.blocks import LossVocab
 
+        if self._fixed is not None:
+            return self._fixed
         if self._seen is None:
             return None
         flat = ids.flatten()
@@ -162,6 +166,7 @@ def build_learner(cfg: OnlineSpecConfig, drafter_path: str | Path, embed_w: torc
         logger.warning("onlinespec: learner_dtype %s ignored on %s: the learner trains in "
                        "float32 there", cfg.learner_dtype, dev)
     dcfg, drafter, ckpt_head = load_drafter(drafter_path, dtype=dtype)
+    draft_vocab = load_draft_vocab(drafter_path, dtype=lm_head_w.dtype)
     drafter = drafter.to(dev)
     tcfg = served_config(dcfg, K)
     if tcfg is not dcfg:
@@ -180,10 +185,12 @@ def build_learner(cfg: OnlineSpecConfig, drafter_path: str | Path, embed_w: torc
                                stride=cfg.anchor_stride, replay=cfg.replay)
 
     def save_model(directory: Path) -> None:  # learner checkpoints stay loadable by vLLM
-        save_drafter(directory, dcfg, bundle.drafter, bundle.length_head)
+        save_drafter(directory, dcfg, bundle.drafter, bundle.length_head,
+                     draft_vocab=draft_vocab)
 
     objective = DistillObjective(embed_w, lm_head_w, cfg.loss, dev,
-                                 autocast=compute_dtype(cfg.learner_compute_dtype, dev))
+                                 autocast=compute_dtype(cfg.learner_compute_dtype, dev),
+                                 draft_vocab=draft_vocab)
     learner = OnlineLearner(bundle, cfg, objective,
                             make_batch, buffer, save_model=save_model, holdback=K)
     return LearnerParts(learner, buffer, bundle, dcfg, tcfg, ckpt_head)

@@ -24,8 +24,10 @@ from torch import Tensor
 from ..config import LossConfig
 from ..drafter.length_head import LengthHead, length_loss
 from ..drafter.model import DFlashDrafter, block_labels
+from ..drafter.vocab import DraftVocab
 
-__all__ = ["LossConfig", "BlockStats", "LossVocab", "block_loss", "greedy_accepted",
+__all__ = ["LossConfig", "BlockStats", "LossVocab", "block_loss", "cached_ce_loss",
+           "greedy_accepted", "target_argmax",
            "position_weights", "response_mask", "sample_anchors", "target_block_states",
            "walk_acceptance", "walk_steps"]
 
@@ -160,31 +162,44 @@ def walk_acceptance(accepted_at: Sequence[int], num_draft_tokens: int) -> tuple[
 
 # -- the loss vocabulary ---------------------------------------------------------------------------
 
-@dataclass(frozen=True)
-class LossVocab:
-    """The LM-head rows the training loss projects onto: a sorted subset of the target's vocabulary.
+# The LM-head rows the training loss projects onto (drafter.vocab.DraftVocab). Why a subset:
+# the vocabulary projection is ~3/4 of a training step on a CPU, while a chat/code corpus uses a
+# few thousand of SmolLM2's 49 152 tokens; a drafter served with a reduced vocabulary (d2t)
+# must also be trained against exactly those rows. A token outside the subset can never be a
+# loss label: its row is neither pulled up nor pushed down.
+LossVocab = DraftVocab
 
-    Why: the vocabulary projection is ~3/4 of a training step on a CPU (three [rows, V] matmuls
-    per chunk), while a chat/code corpus uses a few thousand of SmolLM2's 49 152 tokens. Training
-    the drafter against the rows of the tokens its data contains makes a step ~3x faster and
-    changes nothing at serving time (vLLM still projects onto the target's whole LM head; the
-    trainer's held-out evaluation does too, so any out-of-subset token that wins the full argmax
-    shows up as a miss there). A token outside the subset can then never be a loss label: its
-    row is neither pulled up nor pushed down.
-    """
 
-    ids: Tensor  # [S] int64, ascending token ids
-    weight: Tensor  # [S, H] = lm_head_w[ids]
+# -- cached labels ---------------------------------------------------------------------------------
 
-    @classmethod
-    def of(cls, lm_head_w: Tensor, ids: Tensor) -> "LossVocab":
-        ids = torch.unique(ids.long().flatten())  # sorted, deduplicated
-        if len(ids) == 0 or int(ids[0]) < 0 or int(ids[-1]) >= lm_head_w.shape[0]:
-            raise ValueError(f"loss vocabulary ids must lie in [0, {lm_head_w.shape[0]})")
-        return cls(ids=ids, weight=lm_head_w.detach()[ids].contiguous())
+@torch.no_grad()
+def target_argmax(final_hidden: Tensor, lm_head_w: Tensor, chunk: int = 2048) -> Tensor:
+    """The target's greedy next token after each position, [T] int64: argmax of
+    final_hidden[t] @ lm_head_w.T over the whole vocabulary (float32 logits).
 
-    def __len__(self) -> int:
-        return int(self.ids.numel())
+    A CE-only loss needs nothing else from the target, so the trainer computes this once per
+    sequence instead of the target's [rows, V] logits at every step."""
+    out = torch.empty(final_hidden.shape[0], dtype=torch.long)
+    w = lm_head_w.float()
+    for s in range(0, final_hidden.shape[0], chunk):
+        out[s:s + chunk] = (final_hidden[s:s + chunk].float() @ w.T).argmax(-1)
+    return out
+
+
+def cached_ce_loss(h: Tensor, labels: Tensor, w: Tensor, pw: Tensor,
+                   vocab: LossVocab | None = None) -> tuple[Tensor, Tensor, Tensor]:
+    """Cross-entropy of draft rows h [N, H] to the target's cached argmax `labels` [N] (token
+    ids), position-weighted by pw [N] and normalised by sum(pw) like kernels.distill_loss's
+    "ce" mode. With `vocab`, logits span its rows only and a label outside it adds no loss
+    (it stays in the normaliser: the drafter cannot get such a row right).
+    Returns (loss, labels, draft argmax token ids)."""
+    logits = (h @ (w if vocab is None else vocab.weight).T).float()
+    idx = labels if vocab is None else vocab.index_of(labels)
+    known = idx >= 0
+    ce = torch.nn.functional.cross_entropy(logits, idx.clamp(min=0), reduction="none")
+    loss = (ce * pw * known).sum() / pw.sum().clamp(min=1e-12)
+    draft = logits.detach().argmax(-1)
+    return loss, labels, draft if vocab is None else vocab.ids[draft]
 
 
 # -- the step ---------------------------------------------------------------------------------------
@@ -193,7 +208,8 @@ def block_loss(drafter: DFlashDrafter, ids: Tensor, aux: Tensor, final_hidden: T
                anchors: Tensor, embed_w: Tensor, lm_head_w: Tensor, *, loss_cfg: LossConfig | None = None,
                length_head: LengthHead | None = None, lengths: Tensor | None = None,
                impl: str = "auto", ctx_kv: list[tuple[Tensor, Tensor]] | None = None,
-               vocab: LossVocab | None = None) -> tuple[Tensor, BlockStats]:
+               vocab: LossVocab | None = None,
+               target_ids: Tensor | None = None) -> tuple[Tensor, BlockStats]:
     """Distillation loss of the drafter on the blocks at `anchors` (+ the length head's MSE).
 
     ids [B,T], aux [B,T,F], final_hidden [B,T,H]: right-padded, row t = position t; lengths [B]
@@ -202,6 +218,8 @@ def block_loss(drafter: DFlashDrafter, ids: Tensor, aux: Tensor, final_hidden: T
     ctx_kv: per-layer context keys/values to draft against instead of the drafter's own.
     vocab: project onto these LM-head rows only (LossVocab; argmaxes and acceptance are then
     taken within it); None = the whole vocabulary.
+    target_ids [B,T]: the target's argmax after each position (target_argmax), cached; with
+    loss mode "ce" the step then never runs the target's head (final_hidden is not read).
     Returns (loss with graph, BlockStats). The length head sees detached drafter states, so its
     MSE trains the head only and the sum is safe to backprop as one loss.
     """
@@ -211,13 +229,17 @@ def block_loss(drafter: DFlashDrafter, ids: Tensor, aux: Tensor, final_hidden: T
     k = drafter.config.num_draft_tokens
     h = drafter.train_hidden(aux, ids, anchors, embed_w, ctx_kv)  # [B,A,K,H]
     labels, valid = block_labels(ids, anchors, k, lengths)
-    ht = target_block_states(final_hidden, anchors, k)
     pw = position_weights(k, cfg.gamma, h.device).expand_as(valid)
 
     # Only labelled rows go through the vocabulary projection: it is most of the step's cost.
     rows = valid.nonzero(as_tuple=True)
     n_rows = int(rows[0].numel())
-    if n_rows:
+    if n_rows and target_ids is not None and cfg.mode == "ce":
+        tgt = target_block_states(target_ids.unsqueeze(-1), anchors, k).squeeze(-1)
+        distill, tgt_rows, draft_rows = cached_ce_loss(h[rows], tgt[rows], lm_head_w, pw[rows],
+                                                       vocab)
+    elif n_rows:
+        ht = target_block_states(final_hidden, anchors, k)
         w = lm_head_w if vocab is None else vocab.weight
         out = distill_loss(h[rows], ht[rows].to(h.dtype), w, pw[rows], alpha=cfg.alpha,
                            temperature=cfg.temperature, clip=cfg.clip, mode=cfg.mode, impl=impl,

@@ -28,7 +28,8 @@ DEFAULTS: dict = {
     "exclude_categories": None, "data": None, "max_new_tokens": 192, "gen_dtype": "bfloat16",
     "target_dtype": "float32", "gen_cache": None, "loss_mode": "reverse_kl", "alpha": 0.8,
     "gamma": 7.0, "loss_vocab": "seen", "eval_anchors": 16, "eval_every": 0, "threads": "auto",
-    "features": "vllm",
+    "features": "vllm", "self_prompts": 0, "normalize_features": False,
+    "compute_dtype": "float32", "draft_vocab_size": None,
 }
 # Where the project keeps Spec-Bench beside a checkout ("auto" also reads this env variable).
 SPEC_BENCH_ENV = "VLLM_ONLINESPEC_SPEC_BENCH"
@@ -63,6 +64,19 @@ RECIPES: dict[str, dict] = {
         "max_new_tokens": 256, "sampled_answers": 2, "temperature": 0.8, "top_p": 1.0,
         "followups": 1,
         "gen_dtype": "bfloat16", "layers": 1, "block_size": 5, "num_target_features": 3,
+        "steps": 9000, "batch_size": 4, "anchors_per_seq": 8, "lr": 1e-3, "warmup_steps": 50,
+        "loss_vocab": "seen", "eval_anchors": 16, "eval_every": 1500, "features": "vllm",
+    },
+    # The scaled drafter: ~2x the distinct answer tokens of smollm2-default (its prompts plus
+    # user turns the target writes itself, greedy first, then sampled and follow-up turns up to
+    # the token budget), trained on dense anchors with the cached target argmax (see
+    # docs/results/drafter.md for the measured rows per second and the curve).
+    "smollm2-scaled": {
+        "target": "smollm2-135m", "humaneval": True, "spec_bench": "auto",
+        "exclude_categories": "math_reasoning", "max_prompt_tokens": 512, "max_heldout": 64,
+        "self_prompts": 2400, "max_new_tokens": 256, "sampled_answers": 1, "temperature": 0.8,
+        "top_p": 1.0, "followups": 1, "token_budget": 520_000,
+        "gen_dtype": "bfloat16", "layers": 2, "block_size": 5, "num_target_features": 3,
         "steps": 9000, "batch_size": 4, "anchors_per_seq": 8, "lr": 1e-3, "warmup_steps": 50,
         "loss_vocab": "seen", "eval_anchors": 16, "eval_every": 1500, "features": "vllm",
     },
@@ -111,6 +125,10 @@ def add_train_parser(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--max-prompts", type=int, help="cap on training prompts (seeded choice)")
     g.add_argument("--max-heldout", type=int, help="cap on held-out prompts evaluated (default 64)")
     g.add_argument("--max-prompt-tokens", type=int, help="skip longer chat prompts (default 1024)")
+    g.add_argument("--self-prompts", type=int, metavar="N",
+                   help="also train on user turns the target writes itself from its chat "
+                   "template's user prefix (Magpie): N sampled, deduplicated, math word problems "
+                   "dropped; training only, never held out (default 0)")
     g = t.add_argument_group("generation (the target's own answers, cached)")
     g.add_argument("--sampled-answers", type=int, help="sampled answers per training prompt "
                    "besides its greedy one (default 0)")
@@ -155,6 +173,16 @@ def add_train_parser(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--loss-vocab", choices=["seen", "full"],
                    help="LM-head rows the loss projects onto: 'seen' = the tokens of the "
                    "training sequences (default; ~3x faster steps), 'full' = all")
+    g.add_argument("--normalize-features", action="store_true", default=None,
+                   help="divide each target feature dimension by its RMS over the training data "
+                   "(folded into fc at export; vLLM loads the checkpoint unchanged)")
+    g.add_argument("--draft-vocab-size", type=int, metavar="N",
+                   help="serve a reduced draft vocabulary: the N most frequent target labels "
+                   "(exported as vLLM's draft_vocab_size + d2t; the loss projects onto it too; "
+                   "needs --loss-mode ce; default: the target's whole LM head)")
+    g.add_argument("--compute-dtype", choices=["float32", "bfloat16"],
+                   help="the drafter's matmuls while training (default float32; bfloat16 "
+                   "autocasts them, for CPUs with native bf16 dot products and GPUs)")
     g.add_argument("--eval-anchors", type=int, help="held-out blocks per sequence (default 16)")
     g.add_argument("--eval-every", type=int, help="also evaluate every N steps and keep a "
                    "drafter snapshot in OUT/snapshots (learning curves; default 0 = per epoch)")
@@ -188,7 +216,7 @@ def resolve_settings(args: argparse.Namespace) -> dict:
               "eval_anchors", "num_target_features"):
         if s[k] < 1:
             raise ValueError(f"--{k.replace('_', '-')} must be >= 1 (got {s[k]})")
-    for k in ("sampled_answers", "followups", "eval_every"):
+    for k in ("sampled_answers", "followups", "eval_every", "self_prompts"):
         if s[k] < 0:
             raise ValueError(f"--{k.replace('_', '-')} must be >= 0 (got {s[k]})")
     if s["token_budget"] is not None and s["token_budget"] < 1:
@@ -197,7 +225,8 @@ def resolve_settings(args: argparse.Namespace) -> dict:
         raise ValueError("--sampled-answers needs --temperature > 0")
     if s["block_size"] < 2:
         raise ValueError(f"--block-size must be >= 2 (got {s['block_size']})")
-    for k in ("epochs", "steps", "max_prompts", "max_heldout", "max_prompt_tokens"):
+    for k in ("epochs", "steps", "max_prompts", "max_heldout", "max_prompt_tokens",
+              "draft_vocab_size"):
         if s[k] is not None and s[k] < 1:
             raise ValueError(f"--{k.replace('_', '-')} must be >= 1 (got {s[k]})")
     s["threads"] = _threads(str(s["threads"]))
@@ -269,6 +298,24 @@ def load_prompts(s: dict) -> list:
     return data.dedupe(prompts)
 
 
+def self_prompts(target_path: str, tok, s: dict, public: list) -> list:
+    """The target's own user turns (training/self_prompts.py), none equal to a loaded prompt,
+    within --max-prompt-tokens; generated by a plain engine that is closed again before the
+    answers' engine starts (one engine at a time)."""
+    from ..models import cache_dir
+    from .generate import chat_ids, vllm_generate_fn
+    from .self_prompts import normalise, self_written_prompts
+
+    fn = vllm_generate_fn(target_path, s["gen_dtype"])
+    try:
+        got = self_written_prompts(target_path, tok, s["self_prompts"], seed=s["seed"],
+                                   cache_dir=s["gen_cache"] or cache_dir() / "generations",
+                                   generate_fn=fn, exclude={normalise(p.text) for p in public})
+    finally:
+        fn.close()
+    return [p for p in got if len(chat_ids(tok, p)) <= s["max_prompt_tokens"]]
+
+
 def find_spec_bench() -> str | None:
     """--spec-bench auto: $VLLM_ONLINESPEC_SPEC_BENCH, else the project's shared copy beside
     the checkout or the working directory; None (HumanEval only) when there is none."""
@@ -314,6 +361,8 @@ def run_train(args: argparse.Namespace) -> int:
         split.train = sorted(rng.sample(split.train, s["max_prompts"]), key=lambda p: p.id)
     if len(split.heldout) > s["max_heldout"]:
         split.heldout = sorted(rng.sample(split.heldout, s["max_heldout"]), key=lambda p: p.id)
+    if s["self_prompts"]:
+        split.train += self_prompts(target_path, tok, s, prompts)
     if not split.train:
         raise ValueError("no training prompts left after the split and filters")
     print(f"threads: {s['threads']} (load average {os.getloadavg()[0]:.1f})")
@@ -335,6 +384,8 @@ def run_train(args: argparse.Namespace) -> int:
         max_steps=s["steps"], batch_size=s["batch_size"], anchors_per_seq=s["anchors_per_seq"],
         lr=s["lr"], warmup_steps=s["warmup_steps"], seed=s["seed"], eval_anchors=s["eval_anchors"],
         eval_every=s["eval_every"], target_dtype=s["target_dtype"],
+        normalize_features=bool(s["normalize_features"]), compute_dtype=s["compute_dtype"],
+        draft_vocab_size=s["draft_vocab_size"],
         loss={"mode": s["loss_mode"], "alpha": s["alpha"], "gamma": s["gamma"],
               "vocab": s["loss_vocab"]})
     data_dir = Path(s["data"]) if s["data"] else out / "data"

@@ -66,6 +66,18 @@ class TrainConfig:
     loss: LossConfig = field(default_factory=LossConfig)  # loss.vocab: see blocks.LossVocab
     length_head: bool = True
     seed: int = 0
+    # Divide every target feature dimension by its RMS over the training data before `fc`,
+    # folded into fc's columns at export (vLLM loads the checkpoint unchanged). The target's
+    # massive activations (one dimension of a late layer hundreds of times the median) would
+    # otherwise dominate fc's input and its gradient.
+    normalize_features: bool = False
+    # Serve (and train) a reduced draft vocabulary of this many tokens, the most frequent
+    # labels of the training data (vLLM's draft_vocab_size + d2t, drafter/vocab.py); it is
+    # also the loss's vocabulary. None = the target's whole LM head at serving.
+    draft_vocab_size: int | None = None
+    # "float32", or "bfloat16": autocast the drafter's matmuls (CPUs with native bf16 dot
+    # products, GPUs); master weights, optimizer and loss statistics stay float32.
+    compute_dtype: str = "float32"
     # evaluation / bookkeeping
     eval_anchors: int = 16
     # Extra held-out evaluations every N steps, each with a drafter snapshot in
@@ -86,10 +98,15 @@ class TrainConfig:
                   "min_lr_frac": 0 <= self.min_lr_frac <= 1, "warmup_steps": self.warmup_steps >= 0,
                   "schedule": self.schedule in ("cosine", "linear"),
                   "grad_clip": self.grad_clip > 0, "eval_anchors": self.eval_anchors >= 1,
-                  "max_steps": self.max_steps is None or self.max_steps >= 1}
+                  "max_steps": self.max_steps is None or self.max_steps >= 1,
+                  "compute_dtype": self.compute_dtype in ("float32", "bfloat16"),
+                  "draft_vocab_size": self.draft_vocab_size is None or self.draft_vocab_size >= 1}
         bad = [k for k, ok in checks.items() if not ok]
         if bad:
             raise ValueError(f"invalid training setting {bad[0]}={getattr(self, bad[0])!r}")
+        if self.draft_vocab_size is not None and self.loss.mode != "ce":
+            raise ValueError("draft_vocab_size needs loss mode 'ce' (cached target labels "
+                             "score the reduced vocabulary as vLLM serves it)")
 
     def to_json(self) -> dict:
         d = dataclasses.asdict(self)
@@ -107,6 +124,7 @@ class Example:
     start: int  # first response position
     aux: Tensor  # [T, n*H] feature_dtype
     final: Tensor  # [T, H] feature_dtype
+    tgt: Tensor | None = None  # [T] int64, the target's argmax after each position (cached labels)
 
 
 def load_target(path: str, dtype: str = "float32") -> nn.Module:
@@ -222,7 +240,78 @@ def collate(examples: Sequence[Example]) -> dict[str, Tensor]:
         ids[r, :n], aux[r, :n], final[r, :n] = e.ids, e.aux.float(), e.final.float()
     lengths = torch.tensor([len(e.ids) for e in examples])
     starts = torch.tensor([e.start for e in examples])
-    return {"ids": ids, "aux": aux, "final": final, "lengths": lengths, "starts": starts}
+    out = {"ids": ids, "aux": aux, "final": final, "lengths": lengths, "starts": starts}
+    if all(e.tgt is not None for e in examples):
+        out["target_ids"] = torch.zeros(b, t, dtype=torch.long)
+        for r, e in enumerate(examples):
+            out["target_ids"][r, :len(e.ids)] = e.tgt
+    return out
+
+
+# -- feature normalisation, cached labels -----------------------------------------------------------
+
+def feature_scale(examples: Sequence[Example], max_rows: int = 200_000, seed: int = 0) -> Tensor:
+    """1 / RMS of each aux feature dimension over (up to `max_rows` sampled) training rows,
+    [n*H] float32; a dimension that is always 0 keeps scale 1."""
+    rows = torch.cat([e.aux for e in examples]) if examples else torch.zeros(0)
+    if rows.shape[0] > max_rows:
+        g = torch.Generator().manual_seed(seed)
+        rows = rows[torch.randperm(rows.shape[0], generator=g)[:max_rows]]
+    rms = rows.float().pow(2).mean(0).sqrt()
+    return torch.where(rms > 0, 1.0 / rms, torch.ones_like(rms))
+
+
+def scale_features(examples: Sequence[Example], scale: Tensor) -> None:
+    """aux *= scale in place (the stored dtype)."""
+    for e in examples:
+        e.aux = (e.aux.float() * scale).to(e.aux.dtype)
+
+
+def fold_feature_scale(drafter: DFlashDrafter, scale: Tensor) -> DFlashDrafter:
+    """A copy of `drafter` whose fc reads raw features: fc(x * scale) == fc'(x) with fc's
+    input columns multiplied by scale."""
+    import copy
+
+    out = copy.deepcopy(drafter)
+    with torch.no_grad():
+        out.fc.weight.mul_(scale.to(out.fc.weight.dtype).view(1, -1))
+    return out
+
+
+def _labels(e: Example) -> Tensor:
+    """What the drafter learns to emit after a response position: cached target labels, else
+    the sequence's own next tokens."""
+    lo = max(0, e.start - 1)
+    return e.tgt[lo:] if e.tgt is not None else e.ids[lo + 1:]
+
+
+def frequent_vocab(examples: Sequence[Example], lm_head_w: Tensor, size: int,
+                   target_config=None) -> LossVocab:
+    """The `size` most frequent labels of the examples (blocks.LossVocab), the target's
+    end-of-sequence tokens always in."""
+    counts = torch.bincount(torch.cat([_labels(e) for e in examples]),
+                            minlength=lm_head_w.shape[0])
+    eos = getattr(target_config, "eos_token_id", None) if target_config is not None else None
+    eos = [eos] if isinstance(eos, int) else list(eos or [])
+    return LossVocab.most_frequent(lm_head_w, counts, size, always=torch.tensor(eos, dtype=torch.long))
+
+
+def label_coverage(examples: Sequence[Example], vocab: LossVocab) -> float:
+    """Share of the examples' labels inside `vocab`."""
+    labels = torch.cat([_labels(e) for e in examples])
+    return float((vocab.index_of(labels) >= 0).float().mean()) if len(labels) else 1.0
+
+
+def add_target_labels(examples: Sequence[Example], lm_head_w: Tensor) -> None:
+    """Example.tgt = the target's argmax after each response position (blocks.target_argmax);
+    prompt positions before the first anchor's are never labels and stay 0."""
+    from .blocks import target_argmax
+
+    for e in tqdm(examples, desc="target labels", unit="seq", leave=False):
+        if e.tgt is None:
+            lo = max(0, e.start - 1)  # the first block's first row reads position start
+            e.tgt = torch.zeros(len(e.ids), dtype=torch.long)
+            e.tgt[lo:] = target_argmax(e.final[lo:], lm_head_w)
 
 
 def epoch_batches(lengths: Sequence[int], batch_size: int, seed: int, epoch: int) -> list[list[int]]:
@@ -267,16 +356,19 @@ def _atomic_save(obj: object, path: Path) -> None:
 
 
 def export_drafter(out: Path, dcfg: DFlashConfig, drafter: DFlashDrafter,
-                   length_head: LengthHead | None) -> None:
+                   length_head: LengthHead | None, scale: Tensor | None = None,
+                   draft_vocab: LossVocab | None = None) -> None:
     """Put a vLLM-loadable drafter into `out` itself, next to train_state/ and the logs.
 
     save_drafter swaps whole folders, which would drop our other files, so it writes a sibling
     folder whose files are then moved in one by one (each os.replace is atomic). The weight index
     tells vLLM which .safetensors to read, so the other files in `out` never reach its loader.
     """
+    if scale is not None:
+        drafter = fold_feature_scale(drafter, scale)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.export-", dir=out.parent))
     try:
-        folder = save_drafter(tmp / "d", dcfg, drafter, length_head)
+        folder = save_drafter(tmp / "d", dcfg, drafter, length_head, draft_vocab=draft_vocab)
         names = sorted(p.name for p in folder.iterdir())
         for name in sorted(names, key=lambda n: n == "config.json"):  # config last
             os.replace(folder / name, out / name)
@@ -297,16 +389,20 @@ def make_optimizer(params: list[nn.Parameter], lr: float, weight_decay: float) -
 def train_step(drafter: DFlashDrafter, batch: dict[str, Tensor], anchors_per_seq: int,
                anchor_seed: int, embed_w: Tensor, lm_head_w: Tensor, opt: torch.optim.Optimizer,
                params: list[nn.Parameter], *, loss_cfg: LossConfig, grad_clip: float,
-               length_head: LengthHead | None = None, vocab: LossVocab | None = None):
+               length_head: LengthHead | None = None, vocab: LossVocab | None = None,
+               compute_dtype: torch.dtype = torch.float32):
     """One optimizer step on a collated batch: anchors inside the responses (drawn from
     `anchor_seed`), block_loss, clipped AdamW step. Returns (BlockStats, grad norm)."""
     t = batch["ids"].shape[1]
     gen = torch.Generator().manual_seed(anchor_seed)
     anchors = sample_anchors(response_mask(batch["starts"], batch["lengths"], t),
                              batch["lengths"], anchors_per_seq, drafter.config.num_draft_tokens, gen)
-    loss, st = block_loss(drafter, batch["ids"], batch["aux"], batch["final"], anchors,
-                          embed_w, lm_head_w, loss_cfg=loss_cfg, length_head=length_head,
-                          lengths=batch["lengths"], vocab=vocab)
+    with torch.autocast("cpu" if batch["ids"].device.type == "cpu" else "cuda",
+                        dtype=compute_dtype, enabled=compute_dtype != torch.float32):
+        loss, st = block_loss(drafter, batch["ids"], batch["aux"], batch["final"], anchors,
+                              embed_w, lm_head_w, loss_cfg=loss_cfg, length_head=length_head,
+                              lengths=batch["lengths"], vocab=vocab,
+                              target_ids=batch.get("target_ids"))
     opt.zero_grad(set_to_none=True)
     loss.backward()
     gnorm = torch.nn.utils.clip_grad_norm_(params, grad_clip)
@@ -336,9 +432,12 @@ def _weighted(stats: list[dict], key: str, weight: str) -> float:
 @torch.no_grad()
 def evaluate(drafter: DFlashDrafter, length_head: LengthHead | None, examples: Sequence[Example],
              embed_w: Tensor, lm_head_w: Tensor, cfg: TrainConfig,
-             ctx_kv_fn: Callable[[dict[str, Tensor]], list] | None = None) -> dict:
+             ctx_kv_fn: Callable[[dict[str, Tensor]], list] | None = None,
+             draft_vocab: LossVocab | None = None) -> dict:
     """Held-out metrics on blocks anchored in the responses with all K labels (fixed anchors).
-    ctx_kv_fn(batch) -> per-layer context K/V to draft against instead of the drafter's own."""
+    ctx_kv_fn(batch) -> per-layer context K/V to draft against instead of the drafter's own.
+    draft_vocab: the drafter serves this reduced vocabulary: its argmax is taken within it,
+    the target's over the whole vocabulary (needs cached labels and loss mode "ce")."""
     drafter.eval()
     k = drafter.config.num_draft_tokens
     gen = torch.Generator().manual_seed(12345)
@@ -352,7 +451,8 @@ def evaluate(drafter: DFlashDrafter, length_head: LengthHead | None, examples: S
         anchors = sample_anchors(allowed, batch["lengths"], cfg.eval_anchors, k, gen)
         _, st = block_loss(drafter, batch["ids"], batch["aux"], batch["final"], anchors, embed_w,
                            lm_head_w, loss_cfg=cfg.loss, length_head=length_head, lengths=batch["lengths"],
-                           ctx_kv=ctx_kv_fn(batch) if ctx_kv_fn else None)
+                           ctx_kv=ctx_kv_fn(batch) if ctx_kv_fn else None,
+                           **_served_vocab(draft_vocab, batch.get("target_ids"), cfg.loss))
         stats.append(st.as_dict())
     drafter.train()
     out = {key: _weighted(stats, key, "rows") for key in ("loss", "distill")}
@@ -364,9 +464,21 @@ def evaluate(drafter: DFlashDrafter, length_head: LengthHead | None, examples: S
     return out
 
 
+def _served_vocab(draft_vocab: LossVocab | None, target_ids: Tensor | None,
+                  loss_cfg: LossConfig | None) -> dict:
+    """block_loss keywords that score a reduced-vocabulary drafter as vLLM serves it."""
+    if draft_vocab is None:
+        return {}
+    if target_ids is None or loss_cfg is None or loss_cfg.mode != "ce":
+        raise ValueError("evaluating a reduced draft vocabulary needs cached target labels "
+                         "and loss mode 'ce' (the target's argmax over its whole vocabulary)")
+    return {"vocab": draft_vocab, "target_ids": target_ids}
+
+
 @torch.no_grad()
 def block_accepts(drafter: DFlashDrafter, e: Example, embed_w: Tensor, lm_head_w: Tensor,
-                  loss_cfg: LossConfig | None = None, chunk: int = 64) -> list[int]:
+                  loss_cfg: LossConfig | None = None, chunk: int = 64,
+                  draft_vocab: LossVocab | None = None) -> list[int]:
     """Greedy drafts accepted by a block anchored at each answer position of `e` that has a
     full window (index 0 = the answer's first position, e.start); whole vocabulary."""
     k = drafter.config.num_draft_tokens
@@ -377,14 +489,17 @@ def block_accepts(drafter: DFlashDrafter, e: Example, embed_w: Tensor, lm_head_w
         anchors = pos[s:s + chunk].view(1, -1)
         _, st = block_loss(drafter, e.ids.view(1, -1), e.aux.float().unsqueeze(0),
                            e.final.float().unsqueeze(0), anchors, embed_w, lm_head_w,
-                           loss_cfg=loss_cfg, lengths=torch.tensor([n]))
+                           loss_cfg=loss_cfg, lengths=torch.tensor([n]),
+                           **_served_vocab(draft_vocab, e.tgt.view(1, -1) if e.tgt is not None
+                                           else None, loss_cfg))
         acc += st.per_block[0].tolist()
     return acc
 
 
 @torch.no_grad()
 def walk_eval(drafter: DFlashDrafter, examples: Sequence[Example], embed_w: Tensor,
-              lm_head_w: Tensor, loss_cfg: LossConfig | None = None, chunk: int = 64) -> dict:
+              lm_head_w: Tensor, loss_cfg: LossConfig | None = None, chunk: int = 64,
+              draft_vocab: LossVocab | None = None) -> dict:
     """Held-out acceptance as serving measures it: a block at every answer position, then a
     greedy walk through each answer (blocks.walk_acceptance). Whole vocabulary, one sequence
     at a time; ~10x the cost of `evaluate`, so the trainer runs it once, at the end."""
@@ -392,7 +507,8 @@ def walk_eval(drafter: DFlashDrafter, examples: Sequence[Example], embed_w: Tens
     k = drafter.config.num_draft_tokens
     steps = tokens = full = 0
     for e in examples:
-        walked = walk_steps(block_accepts(drafter, e, embed_w, lm_head_w, loss_cfg, chunk), k)
+        walked = walk_steps(block_accepts(drafter, e, embed_w, lm_head_w, loss_cfg, chunk,
+                                          draft_vocab), k)
         steps, tokens = steps + len(walked), tokens + sum(walked) + len(walked)
         full += sum(a == k for a in walked)
     drafter.train()
@@ -486,9 +602,21 @@ def train(target_path: str, train_samples: Sequence[Sample], heldout_samples: Se
         raise ValueError(f"mask token {dcfg.mask_token_id} has no embedding row "
                          f"(vocab {embed_w.shape[0]})")
     target = None
-    # loss.vocab "seen": every token of the training sequences is known up front.
-    vocab = (LossVocab.of(lm_head_w, torch.cat([e.ids for e in train_ex]))
+    if cfg.loss.mode == "ce":  # the step's only use of the target's head: do it once
+        t0 = time.perf_counter()
+        add_target_labels(train_ex + held_ex, lm_head_w)
+        timings["labels_s"] = time.perf_counter() - t0
+        log(f"target labels: {sum(len(e.ids) - e.start for e in train_ex)} response positions, "
+            f"{timings['labels_s']:.0f} s")
+    # loss.vocab "seen": every token of the training sequences (and their labels) is known up front.
+    vocab = (LossVocab.of(lm_head_w, torch.cat([e.ids for e in train_ex]
+                                               + [e.tgt for e in train_ex if e.tgt is not None]))
              if cfg.loss.vocab == "seen" else None)
+    draft_vocab = None
+    if cfg.draft_vocab_size is not None:
+        draft_vocab = vocab = frequent_vocab(train_ex, lm_head_w, cfg.draft_vocab_size, tcfg)
+        log(f"draft vocabulary: the {len(vocab)} most frequent labels ("
+            f"{label_coverage(train_ex, vocab):.2%} of the training labels), served as d2t")
     if vocab is not None:
         log(f"loss vocabulary: {len(vocab)} of {lm_head_w.shape[0]} tokens (those in the "
             f"training sequences)")
@@ -501,6 +629,15 @@ def train(target_path: str, train_samples: Sequence[Sample], heldout_samples: Se
     per_epoch = math.ceil(len(train_ex) / cfg.batch_size)
     total = cfg.max_steps or per_epoch * cfg.epochs
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(cfg, total))
+
+    scale = None
+    if cfg.normalize_features:
+        st_path = state_dir / "state.pt"
+        scale = (torch.load(st_path, weights_only=False)["feature_scale"] if st_path.is_file()
+                 else feature_scale(train_ex, seed=cfg.seed))
+        scale_features(train_ex + held_ex, scale)
+        log(f"features: normalised per dimension (RMS before: median {float((1 / scale).median()):.2f},"
+            f" max {float((1 / scale).max()):.1f}), folded into fc at export")
 
     run_key = hashlib.sha256(json.dumps(
         {"cfg": cfg.to_json(), "dcfg": dcfg.to_hf_dict(), "data": _samples_key(train_samples, {})},
@@ -530,15 +667,19 @@ def train(target_path: str, train_samples: Sequence[Sample], heldout_samples: Se
                       "drafter": drafter.state_dict(),
                       "length_head": length_head.state_dict() if length_head is not None else None,
                       "optimizer": opt.state_dict(), "scheduler": sched.state_dict(),
+                      "feature_scale": scale,
+                      "loss_vocab_ids": vocab.ids if vocab is not None else None,
                       "torch_rng": torch.get_rng_state(), "py_rng": random.getstate()}, state_path)
 
     def run_eval(epoch: int) -> None:
         if not held_ex:
             return
         t1 = time.perf_counter()
-        ev = evaluate(drafter, length_head, held_ex, embed_w, lm_head_w, cfg)
+        ev = evaluate(drafter, length_head, held_ex, embed_w, lm_head_w, cfg,
+                      draft_vocab=draft_vocab)
         if step >= total:  # the served-like figure, once (walk_eval's docstring)
-            ev.update(walk_eval(drafter, held_ex, embed_w, lm_head_w, cfg.loss))
+            ev.update(walk_eval(drafter, held_ex, embed_w, lm_head_w, cfg.loss,
+                                draft_vocab=draft_vocab))
             log(f"step {step}: held-out acceptance walking the answers as serving does "
                 f"{ev['walk_acceptance']:.3f} tokens/step ({ev['walk_steps']} steps)")
         # Response tokens of the sequences trained on so far (repeats counted): the learning
@@ -576,7 +717,8 @@ def train(target_path: str, train_samples: Sequence[Sample], heldout_samples: Se
             st, gnorm = train_step(drafter, collate([train_ex[i] for i in b]),
                                    cfg.anchors_per_seq, cfg.seed * 1_000_003 + step, embed_w,
                                    lm_head_w, opt, params, loss_cfg=cfg.loss,
-                                   grad_clip=cfg.grad_clip, length_head=length_head, vocab=vocab)
+                                   grad_clip=cfg.grad_clip, length_head=length_head, vocab=vocab,
+                                   compute_dtype=getattr(torch, cfg.compute_dtype))
             sched.step()
             step += 1
             window.append({**st.as_dict(), "grad_norm": float(gnorm)})
@@ -594,12 +736,14 @@ def train(target_path: str, train_samples: Sequence[Sample], heldout_samples: Se
                 window.clear()
             if cfg.eval_every and step % cfg.eval_every == 0 and step % per_epoch and step < total:
                 run_eval(step / per_epoch)
-                export_drafter(_snapshot_dir(out, step), dcfg, drafter, length_head)
+                export_drafter(_snapshot_dir(out, step), dcfg, drafter, length_head, scale,
+                               draft_vocab)
             if step % per_epoch == 0 or step == total:
                 run_eval(math.ceil(step / per_epoch))
                 if cfg.eval_every:
-                    export_drafter(_snapshot_dir(out, step), dcfg, drafter, length_head)
-                export_drafter(out, dcfg, drafter, length_head)
+                    export_drafter(_snapshot_dir(out, step), dcfg, drafter, length_head, scale,
+                               draft_vocab)
+                export_drafter(out, dcfg, drafter, length_head, scale, draft_vocab)
                 save_state()
                 last_save = time.perf_counter()
             elif time.perf_counter() - last_save > cfg.save_every_s:
