@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Verification budget under load (issue 15): `vllm serve` (SmolLM2-135M bf16 + the shipped
+# Verification budget under load: `vllm serve` (SmolLM2-135M bf16 + the shipped
 # drafter, K = 4, learning off) driven by `vllm bench serve --dataset-name spec_bench` at
 # C = 1, 4, 16, 32, 64, three timing repeats over the same prompts (vLLM's spec_bench loader
 # takes the same max(8, C) prompts every time), one server per arm:

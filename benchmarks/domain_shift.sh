@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Domain-shift benchmark (issue 14), continuous serving, everything counted: the shipped drafter
+# Domain-shift benchmark, continuous serving, everything counted: the shipped drafter
 # (Spec-Bench without math_reasoning + HumanEval) serves
 #   tune     40 math word problems, online-ogd at each lr of LRS + frozen: settings are chosen here
 #   tune-learn  the same stream, online-ogd with each of LEARN_VARIANTS (how the learner uses its

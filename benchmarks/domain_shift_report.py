@@ -29,11 +29,11 @@ SCENARIOS = {"shifted": "math word problems the drafter never saw (reported stre
              "tune": "the tuning stream (other math word problems): where lr was chosen"}
 
 
-# How the learner uses its data (issue 14, sample efficiency), chosen on the tune stream. Keys
+# How the learner uses its data (sample efficiency), chosen on the tune stream. Keys
 # are onlinespec config keys laid over the recipe and the lr; "lr" here overrides the tuned one.
 LEARN_VARIANTS: dict[str, dict] = {
     # Each variant names both data-use keys: the bench's online settings (DEFAULT_ONLINE) already
-    # hold replay and dense anchors since session 13, so a variant naming one key only would
+    # hold replay and dense anchors, so a variant naming one key only would
     # inherit the other. "defaults" = DEFAULT_ONLINE as it stands.
     "defaults": {},
     "base": {"anchor_stride": None, "replay": False},  # blocks tile the fresh tokens, no replay
@@ -46,12 +46,12 @@ LEARN_VARIANTS: dict[str, dict] = {
     "replay+fp32": {"anchor_stride": None, "replay": True, "learner_compute_dtype": "float32"},
     "replay@1e-3": {"anchor_stride": None, "replay": True, "lr": 1e-3},
     # Each publish loads and re-packs vLLM's drafter weights on the engine thread (~10 ms on
-    # the 2-core box): every update against every 4th (DEFAULT_ONLINE since session 11).
+    # the 2-core box): every update against every 4th (DEFAULT_ONLINE's).
     "replay+publish-every-1": {"anchor_stride": None, "replay": True,
                                "publish": {"every_n_updates": 1}},
     "replay+publish-every-4": {"anchor_stride": None, "replay": True,
                                "publish": {"every_n_updates": 4}},
-    # How much of the wall time the learner may be busy (DEFAULT_ONLINE: 0.25 since session 14).
+    # How much of the wall time the learner may be busy (DEFAULT_ONLINE: 0.25).
     "share-0.8": {"learner_cpu_share": 0.8},
 }
 
@@ -193,7 +193,7 @@ def cell(st: dict | None, fmt: str = ".2f", suffix: str = "") -> str:
 
 
 def markdown(summary: dict, tune: list[dict], meta: dict) -> str:
-    md = ["# Domain shift, continuous serving (issue 14)", "",
+    md = ["# Domain shift, continuous serving", "",
           f"Made by `benchmarks/domain_shift.sh` then `benchmarks/domain_shift_report.py` "
           f"({meta.get('date', '')}). Each cell: median (min-max) over the seeds (stream orders); "
           "ratios are per seed, on the same stream, then their median (min-max).", ""]

@@ -1,4 +1,4 @@
-"""Where training features should come from (issue #12, item 1): logged by vLLM while it
+"""Where training features should come from: logged by vLLM while it
 generates (`vllm-onlinespec train --features vllm`) or a second pass of the HF target over the
 generated answers (`--features hf`). Same prompts, same engine settings, one engine at a time.
 

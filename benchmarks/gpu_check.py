@@ -1,4 +1,4 @@
-"""The GPU checks of /work/shared/gpu/README.md (issue #16, item 6), without vLLM.
+"""The GPU checks of /work/shared/gpu/README.md, without vLLM.
 
     PYTHONPATH=. python benchmarks/gpu_check.py            # on the GPU machine (benchmarks/gpu_check.sh)
     PYTHONPATH=. python benchmarks/gpu_check.py --smoke    # tiny shapes on the CPU (tests/test_gpu_check.py)

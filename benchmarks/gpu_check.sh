@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU checks of /work/shared/gpu/README.md (issue #16): kernel tests on the device, fused
+# The GPU checks of /work/shared/gpu/README.md: kernel tests on the device, fused
 # loss vs reference, one online update of a Qwen3-8B-shaped drafter. Needs torch + triton, no
 # vLLM, no install: run from anywhere, e.g.
 #   timeout 480 benchmarks/gpu_check.sh            # GPU machine: writes docs/results/gpu.{json,md}

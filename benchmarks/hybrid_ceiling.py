@@ -31,6 +31,9 @@ from vllm_onlinespec.drafter.prompt_lookup import propose
 from vllm_onlinespec.training.blocks import walk_steps
 
 POLICIES = ("dflash", "ngram", "ngram-first", "oracle")
+# With --suffix-tree: SuffixDecoding's trees (drafter/suffix_tree.py) fed the held-out answers
+# one after another as serving would (each answer's output joins the global tree when it ends).
+TREE_POLICIES = ("tree", "tree-first")
 
 
 def accepted_run(proposal: Sequence[int], truth: Sequence[int]) -> int:
@@ -43,8 +46,14 @@ def accepted_run(proposal: Sequence[int], truth: Sequence[int]) -> int:
     return a
 
 
-def choose(policy: str, dflash: int, ngram: int, ngram_len: int, k: int) -> int:
-    """Drafts accepted at one step under `policy` (POLICIES)."""
+def choose(policy: str, dflash: int, ngram: int, ngram_len: int, k: int, tree: int = 0,
+           tree_ok: bool = False) -> int:
+    """Drafts accepted at one step under `policy` (POLICIES, TREE_POLICIES); tree: the tree
+    draft's accepted tokens, tree_ok: its score reached the threshold."""
+    if policy == "tree":
+        return tree if tree_ok else 0
+    if policy == "tree-first":
+        return tree if tree_ok else dflash
     if policy == "dflash":
         return dflash
     if policy == "ngram":
@@ -138,18 +147,37 @@ def ratio_se(steps: Sequence[int], tokens: Sequence[int], resamples: int = 2000,
     return (sum((v - m) ** 2 for v in vals) / (len(vals) - 1)) ** 0.5
 
 
+def tree_accepts(tree, req_id: str, ids: Sequence[int], start: int, n: int, k: int,
+                 min_score: float) -> tuple[list[int], list[bool]]:
+    """(accepted, score reached min_score) of the suffix tree's draft at answer positions
+    start .. start+n-1 (the tree fed the text up to each position), then the request ends."""
+    ids = list(ids)
+    acc, ok = [], []
+    tree.propose(req_id, ids[:start], 0)  # the prompt: its own tree, as serving starts it
+    for i in range(n):
+        p = start + i
+        d = tree.propose(req_id, ids[:p + 1], k)
+        acc.append(accepted_run(d.tokens, ids[p + 1:p + 1 + k]))
+        ok.append(d.score >= min_score and len(d.tokens) > 0)
+    tree.finish([req_id])
+    return acc, ok
+
+
 def walk_policies(ids: Sequence[int], start: int, dflash: Sequence[int], k: int,
                   n_min: int = 2, n_max: int = 4,
-                  lookup: tuple[list[int], list[int]] | None = None) -> dict[str, WalkTotals]:
-    """Each policy's walk through one answer; dflash[i]: the drafter's accepts at start + i."""
+                  lookup: tuple[list[int], list[int]] | None = None,
+                  tree: tuple[list[int], list[bool]] | None = None) -> dict[str, WalkTotals]:
+    """Each policy's walk through one answer; dflash[i]: the drafter's accepts at start + i;
+    tree (tree_accepts): adds the TREE_POLICIES."""
     ng, ng_len = lookup or lookup_accepts(ids, start, len(dflash), k, n_min, n_max)
+    tr, tr_ok = tree or ([0] * len(dflash), [False] * len(dflash))
     out = {}
-    for policy in POLICIES:
-        walked = walk_steps([choose(policy, dflash[i], ng[i], ng_len[i], k)
+    for policy in POLICIES + (TREE_POLICIES if tree is not None else ()):
+        walked = walk_steps([choose(policy, dflash[i], ng[i], ng_len[i], k, tr[i], tr_ok[i])
                              for i in range(len(dflash))], k)
         tot, i = WalkTotals(steps=len(walked), tokens=sum(walked) + len(walked)), 0
         for a in walked:  # the positions the walk visited: which of its steps drafted
-            if policy != "ngram" or ng_len[i]:
+            if (policy != "ngram" or ng_len[i]) and (policy != "tree" or tr_ok[i]):
                 tot.drafted_steps, tot.drafted_tokens = tot.drafted_steps + 1, tot.drafted_tokens + a + 1
             i += a + 1
         out[policy] = tot
@@ -164,12 +192,16 @@ def main() -> int:
     ap.add_argument("--target", default="smollm2-135m")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--out", default=None, help="folder for hybrid_ceiling.{json,md}")
+    ap.add_argument("--suffix-tree", type=float, nargs="*", default=None, metavar="MIN_SCORE",
+                    help="also walk SuffixDecoding's trees alone and tree-first (the drafter "
+                    "where the tree's score is below MIN_SCORE); one walk per MIN_SCORE")
     args = ap.parse_args()
 
     import torch
 
     from vllm_onlinespec.config import LossConfig
     from vllm_onlinespec.drafter import load_draft_vocab
+    from vllm_onlinespec.drafter.suffix_tree import SuffixTreeLookup
     from vllm_onlinespec.models import resolve
     from vllm_onlinespec.training.trainer import add_target_labels, block_accepts, heldout_inputs
 
@@ -185,14 +217,21 @@ def main() -> int:
         vocab = load_draft_vocab(path, dtype=torch.float32)
         if vocab is not None:
             add_target_labels(held, lm)
-        totals = {p: WalkTotals() for p in POLICIES}
-        per_seq: dict[str, tuple[list[int], list[int]]] = {p: ([], []) for p in POLICIES}
+        scores = args.suffix_tree or []
+        names = list(POLICIES) + [f"{p}@{m:g}" for m in scores for p in TREE_POLICIES]
+        totals = {p: WalkTotals() for p in names}
+        per_seq: dict[str, tuple[list[int], list[int]]] = {p: ([], []) for p in names}
         first = FirstToken()
-        for e in held:
+        trees = {m: SuffixTreeLookup() for m in scores}
+        for n, e in enumerate(held):
             acc = block_accepts(drafter, e, embed, lm, LossConfig(mode="ce"), draft_vocab=vocab)
             look = lookup_accepts(e.ids.tolist(), e.start, len(acc), k)
             first.add(first_token(acc, *look, k))
             walks = walk_policies(e.ids.tolist(), e.start, acc, k, lookup=look)
+            for m, tree in trees.items():
+                tw = walk_policies(e.ids.tolist(), e.start, acc, k, lookup=look, tree=tree_accepts(
+                    tree, f"h{n}", e.ids.tolist(), e.start, len(acc), k, m))
+                walks.update({f"{p}@{m:g}": tw[p] for p in TREE_POLICIES})
             for p, w in walks.items():
                 t = totals[p]
                 t.steps, t.tokens = t.steps + w.steps, t.tokens + w.tokens
@@ -208,7 +247,7 @@ def main() -> int:
                       "tokens_per_drafted_step": round(t.per_drafted_step, 3)}
                   for p, t in totals.items()}}
         rows.append(row)
-        print(json.dumps({"drafter": path, **{p: row[p]["tokens_per_step"] for p in POLICIES},
+        print(json.dumps({"drafter": path, **{p: row[p]["tokens_per_step"] for p in names},
                           "dflash_se": row["dflash"]["tokens_per_step_se"],
                           "ngram_per_drafted_step": row["ngram"]["tokens_per_drafted_step"],
                           **row["first_token"]}))
@@ -237,6 +276,16 @@ def main() -> int:
                          f"{r['oracle']['tokens_per_step']:.3f} | {ft['lookup_hit_share']} | "
                          f"{ft['dflash_first_on_hit']} / {ft['lookup_first_on_hit']} | "
                          f"{ft['dflash_first_on_miss']} |")
+        tree_cols = [k for k in rows[0] if "@" in k] if rows else []
+        if tree_cols:
+            lines += ["", "SuffixDecoding's trees (`--suffix-tree MIN_SCORE ...`), tokens per verify "
+                      "step: the tree alone, and tree-first (the drafter where the tree's score "
+                      "is below MIN_SCORE):", "", "| drafter | " + " | ".join(tree_cols) + " |",
+                      "|---|" + "---|" * len(tree_cols)]
+            for r in rows:
+                lines.append(f"| {r['drafter']} | " + " | ".join(
+                    f"{r[c]['tokens_per_step']:.3f} ± {r[c]['tokens_per_step_se']:.3f}"
+                    for c in tree_cols) + " |")
         (out / "hybrid_ceiling.md").write_text("\n".join(lines) + "\n")
     return 0
 

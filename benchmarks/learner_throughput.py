@@ -1,5 +1,5 @@
-"""The online learner's throughput on this machine's CPU, per loss vocabulary and matmul dtype
-(issue #14, item 2).
+"""The online learner's throughput on this machine's CPU, per loss vocabulary and matmul
+dtype.
 
     python benchmarks/learner_throughput.py --data runs/drafter/main/data --updates 60 \
         --out runs/learner_throughput.json

@@ -1,5 +1,5 @@
 """The online learner replayed offline on a prompt stream: how much acceptance it can buy, per
-setting and per update budget, without serving's timing noise (issue #14, item 2).
+setting and per update budget, without serving's timing noise.
 
     python benchmarks/online_replay.py --prompts runs/domain_shift/streams/tune.jsonl \
         --out runs/online_replay/tune

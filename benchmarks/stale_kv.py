@@ -1,4 +1,4 @@
-"""What `publish.kv_policy: tolerate` costs (issue 4): drafting against stale context K/V.
+"""What `publish.kv_policy: tolerate` costs: drafting against stale context K/V.
 
 vLLM precomputes each committed token's context keys/values into the drafter's KV cache once
 (DFlashProposer -> precompute_and_store_context_kv) and keeps them when we publish new weights.

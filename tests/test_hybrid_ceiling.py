@@ -42,3 +42,18 @@ def test_first_token_split_and_ratio_se():
     assert H.ratio_se([10, 10, 10], [20, 20, 20]) == 0.0  # identical sequences: no spread
     se = H.ratio_se([10, 10, 10, 10], [10, 30, 10, 30])
     assert 0.2 < se < 0.7  # ~ sd of per-sequence ratios (1) / sqrt(4)
+
+
+def test_tree_policies_walk_with_the_suffix_tree():
+    from vllm_onlinespec.drafter.suffix_tree import SuffixTreeLookup
+
+    ids = [10, 11, 12, 13, 14, 15, 16, 10, 11, 12, 13, 14, 15, 16, 10, 11]
+    start, k = 8, 2
+    dflash = [1] * (len(ids) - start - k)
+    tree = H.tree_accepts(SuffixTreeLookup(), "r", ids, start, len(dflash), k, 0.5)
+    assert max(tree[0]) == 2 and any(tree[1])  # the repeated prompt is drafted whole
+    w = H.walk_policies(ids, start, dflash, k, tree=tree)
+    assert w["tree-first"].per_step >= w["dflash"].per_step == 2.0
+    assert set(H.TREE_POLICIES) <= set(w)
+    assert H.choose("tree", 1, 0, 0, 2, tree=2, tree_ok=False) == 0
+    assert H.choose("tree-first", 1, 0, 0, 2, tree=2, tree_ok=False) == 1

@@ -1,4 +1,4 @@
-"""The learner on a configured device (issue #16, item 1), checked without a GPU.
+"""The learner on a configured device, checked without a GPU.
 
 Placement: "meta" stands in for a second device (CPU is the only real one here): a learner built
 there must hold every tensor it owns there (parameters, update-rule state, length head,

@@ -10,6 +10,7 @@ from test_serving_hooks import bare_session, make_view
 from vllm_onlinespec.bench.arm_catalog import make_arm
 from vllm_onlinespec.config import ConfigError, OnlineSpecConfig
 from vllm_onlinespec.drafter.prompt_lookup import RecentText, choose_drafts, propose
+from vllm_onlinespec.serving.lookup import LookupStage
 
 
 def reference_propose(t, k, min_n=2, max_n=4):
@@ -149,7 +150,8 @@ def lookup_session(histories, keep=4, min_tokens=None, plain=False):
     cfg = OnlineSpecConfig.from_any({"prompt_lookup": {"enabled": True, "min_tokens": min_tokens},
                                      "features": {"plain": plain}})
     return bare_session(runner=SimpleNamespace(input_batch=FakeInputBatch(histories)), K=4,
-                        cfg=cfg, lookup=cfg.prompt_lookup, cutter=CuttingCutter(keep))
+                        cfg=cfg, lookup=LookupStage(cfg.prompt_lookup, 4),
+                        cutter=CuttingCutter(keep))
 
 
 def test_session_verifies_lookup_where_the_text_repeats_and_keeps_it_from_the_policy():
@@ -162,9 +164,9 @@ def test_session_verifies_lookup_where_the_text_repeats_and_keeps_it_from_the_po
     view = make_view(num_draft=(4, 1), sched=(5, 2))
     s.after_step(None, view, [[7, 8, 9, 11, -1], [4, 2, -1, -1, -1]])
     assert s.cutter.observed == [[0, 1]]  # the policy scores the drafter's block only
-    assert (s.lookup_rows, s.lookup_drafted, s.lookup_accepted) == (1, 4, 3)
+    assert (s.lookup.rows, s.lookup.drafted, s.lookup.accepted) == (1, 4, 3)
     s.after_step(None, view, [[7, -1, -1, -1, -1], [4, -1, -1, -1, -1]])
-    assert s.cutter.observed[-1] == [4, 1] and s.lookup_rows == 1  # nothing pending any more
+    assert s.cutter.observed[-1] == [4, 1] and s.lookup.rows == 1  # nothing pending any more
 
 
 def test_session_lookup_fills_k_whatever_the_drafter_was_asked_for():
@@ -176,7 +178,7 @@ def test_session_lookup_fills_k_whatever_the_drafter_was_asked_for():
     # Shorter than K (the match runs into the end of the text): the drafter's block stays.
     s = lookup_session({"a": [5, 6, 7, 5, 6]})  # lookup: [7, 5, 6]
     out = s.cut_drafts(SimpleNamespace(req_ids=["a"], draft_token_ids=[[1, 1, 1, 1]]))
-    assert out.draft_token_ids == [[1, 1, 1, 1]] and not s._lookup_pending
+    assert out.draft_token_ids == [[1, 1, 1, 1]] and not s.lookup.pending
     # A data-generation engine never speculates.
     s = lookup_session({"a": [5, 6, 7, 8, 9, 10, 5, 6]}, plain=True)
     assert s.cut_drafts(SimpleNamespace(req_ids=["a"], draft_token_ids=[[]])).draft_token_ids == [[]]
@@ -185,21 +187,20 @@ def test_session_lookup_fills_k_whatever_the_drafter_was_asked_for():
 def test_session_lookup_falls_back_to_finished_requests_text():
     # "b" has no repeat of its own, but its last 3 tokens ended "a"'s [.., 7, 8, 9] before 3 1 4 1.
     s = lookup_session({"a": [7, 8, 9, 3, 1, 4, 1, 5], "b": [2, 7, 8, 9]})
-    s.recent = RecentText(64, min_n=3, max_n=8)
-    s._texts = {}
+    s.lookup.recent = RecentText(64, min_n=3, max_n=8)
     drafts = SimpleNamespace(req_ids=["a", "b"], draft_token_ids=[[0] * 4, [6] * 4])
     assert s.cut_drafts(drafts).draft_token_ids == [[0] * 4, [6] * 4]  # nothing finished yet
     view = make_view(num_draft=(4, 4), sched=(5, 5))
     view.finished_req_ids = {"a"}
     s.after_step(None, view, [[0, -1, -1, -1, -1], [6, -1, -1, -1, -1]])
-    assert s.recent.tokens == 8 and "a" not in s._texts  # a's text joined the pool
+    assert s.lookup.recent.tokens == 8 and "a" not in s.lookup.texts  # a's text joined the pool
     drafts = SimpleNamespace(req_ids=["b"], draft_token_ids=[[6] * 4])
     assert s.cut_drafts(drafts).draft_token_ids == [[3, 1, 4, 1]]
-    assert s._lookup_pending == {"b"} and s.lookup_recent_rows == 1
+    assert s.lookup.pending == {"b"} and s.lookup.recent_rows == 1
     # A seeded request drafts from its own text only (its sample must reproduce).
     s.runner.input_batch.generators = {s.runner.input_batch.req_id_to_index["b"]: object()}
     drafts = SimpleNamespace(req_ids=["b"], draft_token_ids=[[6] * 4])
-    assert s.cut_drafts(drafts).draft_token_ids == [[6] * 4] and s.lookup_recent_rows == 1
+    assert s.cut_drafts(drafts).draft_token_ids == [[6] * 4] and s.lookup.recent_rows == 1
 
 
 def test_lookup_arms_and_config(tmp_path):
@@ -250,3 +251,86 @@ def test_demo_serves_frozen_and_online_with_the_same_recipe(tmp_path):
     with pytest.raises(ConfigError, match=r"recent_max_n \(2\) must be >= recent_min_n \(3\)"):
         OnlineSpecConfig.from_any({"prompt_lookup": {"recent_min_n": 3, "recent_max_n": 2}})
     assert OnlineSpecConfig.from_any({}).prompt_lookup.recent_tokens == 4096  # on with lookup
+
+
+# -- the suffix-tree source ---------------------------------------------------------------------
+
+def tree_session(histories, **over):
+    cfg = OnlineSpecConfig.from_any({"prompt_lookup": {"enabled": True, "source": "suffix_tree",
+                                                       **over}})
+    return bare_session(runner=SimpleNamespace(input_batch=FakeInputBatch(histories)), K=4,
+                        cfg=cfg, lookup=LookupStage(cfg.prompt_lookup, 4),
+                        cutter=CuttingCutter(4))
+
+
+def test_suffix_tree_drafts_a_repeated_prompt_and_learns_across_requests():
+    from vllm_onlinespec.drafter.suffix_tree import SuffixTreeLookup
+
+    # A request that repeats its prompt: the tree proposes the repeated text (as many tokens
+    # as the match is long, max_spec_factor 1).
+    t = SuffixTreeLookup()
+    prompt = [11, 12, 13, 14, 15, 16, 17, 18]
+    d = t.propose("r", prompt + [11, 12, 13], 4)
+    assert d.tokens == [14, 15, 16] and d.score > 1
+    # Fed incrementally: the next call appends what the request gained.
+    assert t.propose("r", prompt + [11, 12, 13, 14, 15], 4).tokens == [16, 17, 18, 11]
+    t.finish(["r"])
+    assert t.active == 0
+    # A finished request's output (what it wrote after its prompt) helps a later request.
+    t.propose("a", [7, 8], 4)
+    t.propose("a", [7, 8, 9, 3, 1, 4, 1, 5], 4)
+    t.finish(["a"])
+    assert t.propose("b", [2, 9, 3, 1], 4).tokens == [4, 1, 5]
+    assert t.propose("c", [2, 9, 3, 1], 0).tokens == []
+
+
+def test_session_takes_the_tree_where_its_score_clears_the_threshold():
+    # "a" repeats its prompt (the tree is confident), "b" has nothing to match.
+    s = tree_session({"a": [5, 6, 7, 8, 9, 10, 5, 6, 7], "b": [1, 2, 3, 4]})
+    drafts = SimpleNamespace(req_ids=["a", "b"], draft_token_ids=[[0, 0, 0, 0], [4, 4, 4, 4]])
+    assert s.cut_drafts(drafts).draft_token_ids == [[8, 9, 10], [4, 4, 4, 4]]
+    assert s.lookup.pending == {"a"}
+    view = make_view(num_draft=(3, 4), sched=(4, 5))
+    s.after_step(None, view, [[8, 9, 10, 5, -1], [4, -1, -1, -1, -1]])
+    assert (s.lookup.rows, s.lookup.drafted, s.lookup.accepted) == (1, 3, 3)
+    # Above any score it can reach, the drafter's blocks stay.
+    s = tree_session({"a": [5, 6, 7, 8, 9, 10, 5, 6, 7]}, suffix_min_score=9.0)
+    drafts = SimpleNamespace(req_ids=["a"], draft_token_ids=[[0, 0, 0, 0]])
+    assert s.cut_drafts(drafts).draft_token_ids == [[0, 0, 0, 0]] and not s.lookup.pending
+
+
+def test_suffix_tree_keeps_seeded_requests_on_their_own_text():
+    s = tree_session({"a": [7, 8], "b": [2, 9, 3, 1]})
+    s.cut_drafts(SimpleNamespace(req_ids=["a"], draft_token_ids=[[0] * 4]))
+    # "a" writes its answer, then finishes.
+    s.runner.input_batch = FakeInputBatch({"a": [7, 8, 9, 3, 1, 4, 1, 5], "b": [2, 9, 3, 1]})
+    s.cut_drafts(SimpleNamespace(req_ids=["a"], draft_token_ids=[[0] * 4]))
+    view = make_view(num_draft=(4, 4), sched=(5, 5))
+    view.finished_req_ids = {"a"}
+    s.after_step(None, view, [[0, -1, -1, -1, -1], [6, -1, -1, -1, -1]])
+    unseeded = s.cut_drafts(SimpleNamespace(req_ids=["b"], draft_token_ids=[[6] * 4]))
+    assert unseeded.draft_token_ids == [[4, 1, 5]]  # from a's finished answer
+    s.runner.input_batch.generators = {s.runner.input_batch.req_id_to_index["b"]: object()}
+    seeded = s.cut_drafts(SimpleNamespace(req_ids=["b"], draft_token_ids=[[6] * 4]))
+    assert seeded.draft_token_ids == [[6] * 4]  # own text only: no match, the drafter's
+
+
+def test_suffix_tree_without_the_extension_is_one_line(monkeypatch):
+    import builtins
+
+    from vllm_onlinespec.serving.validate import config_from_vllm
+
+    real = builtins.__import__
+
+    def no_arctic(name, *a, **k):
+        if name.startswith("arctic_inference"):
+            raise ImportError("no module")
+        return real(name, *a, **k)
+
+    monkeypatch.setattr(builtins, "__import__", no_arctic)
+    spec = SimpleNamespace(method="dflash", num_speculative_tokens=4, draft_sample_method="greedy")
+    vc = SimpleNamespace(speculative_config=spec, additional_config={"onlinespec": {
+        "prompt_lookup": {"enabled": True, "source": "suffix_tree"}}})
+    with pytest.raises(ConfigError, match="suffix_install") as e:
+        config_from_vllm(vc)
+    assert "\n" not in str(e.value)

@@ -327,6 +327,30 @@ class PromptLookupConfig(_Section):
     recent_max_n: int = Field(
         8, ge=1, description="longest suffix match scored in other requests' text, in tokens "
         "(>= recent_min_n; the longest match wins, the latest on a tie)")
+    source: Literal["ngram", "suffix_tree"] = Field(
+        "ngram", description="where proposals come from: 'ngram' = vLLM's ngram rule on the "
+        "request's own text, then recently finished requests' text (recent_*); 'suffix_tree' = "
+        "SuffixDecoding's suffix trees over the request's text and finished outputs (vLLM's "
+        "`method: suffix` cache, arctic-inference; `python -m vllm_onlinespec.suffix_install`), "
+        "taken where its score reaches suffix_min_score. Seeded requests use their own text "
+        "only, with the ngram rule")
+    suffix_min_score: float = Field(
+        1.0, ge=0.0, description="suffix_tree: take the tree's draft when its score (the sum of "
+        "its tokens' estimated probabilities, about the tokens it expects accepted) is at least "
+        "this, in tokens (>= 0); else the drafter's block")
+    suffix_max_depth: int = Field(
+        24, ge=1, description="suffix_tree: longest context suffix matched and longest "
+        "sequence stored per tree node path, in tokens (vLLM's suffix_decoding_max_tree_depth)")
+    suffix_max_cached_requests: int = Field(
+        10000, ge=0, description="suffix_tree: finished requests' outputs kept in the global "
+        "tree, oldest evicted first (0 = none: each request's own text only)")
+    suffix_max_spec_factor: float = Field(
+        1.0, gt=0.0, description="suffix_tree: a draft is at most this many tokens per matched "
+        "context token (dimensionless, > 0), and at most K")
+    suffix_min_token_prob: float = Field(
+        0.1, ge=0.0, le=1.0, description="suffix_tree: stop a draft at the first token whose "
+        "estimated probability (its continuation's share of the match's occurrences) is below "
+        "this (in [0, 1])")
 
     @model_validator(mode="after")
     def _n_range(self) -> "PromptLookupConfig":

@@ -43,14 +43,14 @@ NEVER = 10**12  # publish.every_n_updates that no run reaches
 # A publish every 4th update: each one loads and re-packs vLLM's drafter on the engine thread
 # (~10 ms on the 2-core box, 3.5 % of serving at one per update); on the tuning stream, two
 # orders, 108.5 / 103.9 tok/s against 91.5 / 89.5 publishing every update, acceptance 1.81 /
-# 1.78 against 1.83 / 1.85, part of that gap the VM's drift between runs (session 11,
-# docs/results/notes/domain_shift.md).
-# Dense anchors (anchor_stride 1: every fresh token anchors a block) since session 13, chosen on
+# 1.78 against 1.83 / 1.85, part of that gap the VM's drift between runs
+# (docs/results/notes/domain_shift.md).
+# Dense anchors (anchor_stride 1: every fresh token anchors a block), chosen on
 # the tuning stream by the deterministic replay (benchmarks/online_replay.py,
 # docs/results/online_replay.md): 1.031x the frozen drafter's acceptance against 1.015x for
 # tiling, 1.050x against 1.038x on prompts the learner never saw; on the reported stream 1.007x
 # against 1.002x (last quarter 1.063x against 1.034x).
-# learner_cpu_share 0.25 (was 0.8) since session 14: the learner slows the serving core while it
+# learner_cpu_share 0.25 rather than 0.8: the learner slows the serving core while it
 # updates, by 13-25 % of a decode step as the worker's thread (2-15 % as its own process:
 # docs/results/learner_contention.md), so its cost follows its busy time; on the tuning
 # stream, two orders, online-ogd / frozen tok/s 1.02 / 1.08x at 0.25 (~45 updates) against
@@ -91,7 +91,7 @@ def known_arm(name: str) -> bool:
 
 
 def _policy(name: str) -> dict:
-    # The budget may verify nothing for a request (k_min 0, issue 15): that, and its step gate,
+    # The budget may verify nothing for a request (k_min 0): that, and its step gate,
     # are what let it fall back to plain decoding where a draft does not pay.
     return {"policy": name, "k_min": 0} if name == "budget" else {"policy": name}
 

@@ -1,4 +1,4 @@
-"""Concurrency benchmark (issue 5): `vllm serve` per arm, `vllm bench serve` at several
+"""Concurrency benchmark: `vllm serve` per arm, `vllm bench serve` at several
 concurrencies, vLLM's own client and dataset loader (`--dataset-name spec_bench`).
 
     vllm-onlinespec bench-serve --spec-bench question.jsonl --arms nospec,fixed,adaflash,budget \\
@@ -335,7 +335,7 @@ def plot(points: list[Point], path: Path) -> Path:
 
 def add_bench_serve_parser(sub: argparse._SubParsersAction) -> None:
     b = sub.add_parser("bench-serve", help="`vllm serve` + `vllm bench serve` at several "
-                       "concurrencies per arm (issue 5)", description=__doc__,
+                       "concurrencies per arm", description=__doc__,
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     a = b.add_argument
     a("--spec-bench", required=True, metavar="PATH", help="Spec-Bench question.jsonl")

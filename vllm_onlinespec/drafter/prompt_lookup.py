@@ -50,14 +50,17 @@ class HybridChoice:
 
 
 def choose_drafts(drafter: Sequence[list[int]], lookup: Sequence[list[int]],
-                  caps: Sequence[int], min_tokens: int | None) -> HybridChoice:
+                  caps: Sequence[int], min_tokens: int | None | Sequence[int | None]
+                  ) -> HybridChoice:
     """Per request: its lookup proposal cut to `caps[i]` (the draft length the step allowed it,
-    0 = no drafting) if that leaves at least `min_tokens` tokens (None: all of caps[i]), else the
-    drafter's block unchanged. Either is a proposal the target verifies in full: lossless."""
+    0 = no drafting) if that leaves at least `min_tokens` tokens (None: all of caps[i]; a
+    sequence: per request), else the drafter's block unchanged. Either is a proposal the target
+    verifies in full: lossless."""
+    needs = list(min_tokens) if isinstance(min_tokens, Sequence) else [min_tokens] * len(caps)
     drafts, used = [], []
-    for d, p, cap in zip(drafter, lookup, caps):
+    for d, p, cap, need in zip(drafter, lookup, caps, needs):
         p = list(p[:cap])
-        need = cap if min_tokens is None else min_tokens
+        need = cap if need is None else need
         ok = cap > 0 and len(p) >= max(1, need)
         drafts.append(p if ok else list(d))
         used.append(ok)

@@ -4,7 +4,7 @@
     serving/feedback.py  one step's verification -> feedback records -> the learner's buffer
     serving/publish.py   the learner's newest snapshot -> vLLM's drafter, between steps
     policy/cutter.py     the length head -> the verify-length policy -> each cut draft
-    drafter/prompt_lookup.py  where the request's own text predicts more, lookup's draft instead
+    serving/lookup.py    prompt lookup or a suffix tree beside the drafter: its draft where it pays
     serving/metrics.py   the figures (serving/stats.py) -> a file the API server exports
     serving/guard.py     every hook's failures and silent skips, counted
 
@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from vllm_onlinespec.config import OnlineSpecConfig
-from vllm_onlinespec.drafter import prompt_lookup
+from vllm_onlinespec.serving.lookup import LookupStage
 from vllm_onlinespec.policy.cutter import DraftCutter
 from vllm_onlinespec.serving import compat
 from vllm_onlinespec.serving import guard as G
@@ -45,10 +45,7 @@ __all__ = ["OnlineSession", "config_from_vllm"]  # config_from_vllm: old import 
 
 class OnlineSession:
     feature_log = None  # training/feature_log.FeatureLogWriter when `features.dir` is set
-    lookup = None  # config.PromptLookupConfig when prompt lookup is on
-    _lookup_pending: set[str] = frozenset()  # type: ignore[assignment]
-    lookup_rows = lookup_drafted = lookup_accepted = lookup_recent_rows = 0
-    recent = None  # prompt_lookup.RecentText: finished requests' text, when lookup searches it
+    lookup = None  # serving.lookup.LookupStage when prompt lookup is on
 
     def __init__(self, runner: Any, cfg: OnlineSpecConfig, guard: HookGuard | None = None) -> None:
         self.cfg = cfg
@@ -73,19 +70,7 @@ class OnlineSession:
         self.resumed_from: str | None = None
         # The version of vLLM's drafter that proposed the drafts the next step verifies.
         self._drafted_by = 0
-        self.lookup = cfg.prompt_lookup if cfg.prompt_lookup.enabled else None
-        # Requests whose draft for the next verification came from prompt lookup, not the
-        # drafter: the verify-length policy and the length head must not learn from them.
-        self._lookup_pending: set[str] = set()
-        self.lookup_rows = self.lookup_drafted = self.lookup_accepted = 0
-        self.lookup_recent_rows = 0  # of lookup_rows, proposed from other requests' text
-        lk = cfg.prompt_lookup
-        if self.lookup is not None and lk.recent_tokens:
-            self.recent = prompt_lookup.RecentText(lk.recent_tokens, lk.recent_min_n,
-                                                   lk.recent_max_n)
-        # Each drafting request's text as of its last step (a copy: vLLM reuses the row), added
-        # to `recent` when the request finishes.
-        self._texts: dict[str, Any] = {}
+        self.lookup = LookupStage(cfg.prompt_lookup, self.K) if cfg.prompt_lookup.enabled else None
 
         drafter_path = str(drafter_dir(runner.vllm_config, cfg))  # a hub id: vLLM's snapshot
         head, trusted = self._build(runner, drafter_path)
@@ -275,11 +260,8 @@ class OnlineSession:
         drafts at the end of a step, before that step's publish)."""
         if view is None:
             return
-        if self.recent is not None:  # before any early return: finished texts must not pile up
-            for rid in view.finished_req_ids:
-                text = self._texts.pop(rid, None)
-                if text is not None:
-                    self.recent.add(text)
+        if self.lookup is not None:  # before any early return: finished texts must not pile up
+            self.lookup.finish(view.finished_req_ids)
         if sampled is None:
             self.guard.skip(G.NO_SAMPLER_OUTPUT)
             return
@@ -304,18 +286,9 @@ class OnlineSession:
     def _drafter_rows(self, view: compat.StepView, accepted: list[int]) -> list[int] | None:
         """Draft tokens verified per request, 0 where prompt lookup drafted (counted apart):
         the verify-length policy and the head score the drafter's blocks only."""
-        drafted, pending, self._lookup_pending = view.num_draft_tokens, self._lookup_pending, set()
-        if not pending or drafted is None:
-            return drafted
-        out = []
-        for rid, d, a in zip(view.req_ids, drafted, accepted):
-            if rid in pending and d:
-                self.lookup_rows += 1
-                self.lookup_drafted += d
-                self.lookup_accepted += a
-                d = 0
-            out.append(d)
-        return out
+        if self.lookup is None:
+            return view.num_draft_tokens
+        return self.lookup.drafter_rows(view.req_ids, view.num_draft_tokens, accepted)
 
     def _publish(self) -> None:
         if not self.cfg.enabled:
@@ -361,35 +334,12 @@ class OnlineSession:
         return drafts
 
     def _prompt_lookup(self, cut: list[list[int]], req_ids: list[str]) -> list[list[int]]:
-        """Lookup's proposal where the request's text predicts at least `min_tokens` of K,
-        else the drafter's cut block. Up to K tokens even where the budget's gate asked vLLM's
-        drafter for fewer or none: the gate prices the drafter's acceptance, and a lookup
-        match is accepted far more often (3.1 of 4 against 1.2 per drafted step, step_cost.md);
-        the scheduler takes up to K drafts from any proposer. Where the request's own text
-        proposes fewer than K, the text of recently finished requests may (`recent`). A
-        data-generation engine (features.plain) never speculates."""
-        cfg = self.lookup
+        """The lookup stage's drafts (serving/lookup.py). A data-generation engine
+        (features.plain) never speculates."""
         if self.cfg.features.plain:
             return cut
-        history = compat.request_tokens(self.runner, req_ids)
-        props = [prompt_lookup.propose(h, self.K, cfg.min_n, cfg.max_n) for h in history]
-        from_recent = set()
-        if self.recent is not None:
-            # A seeded request never drafts from other requests' text: its draft would depend
-            # on what else was served, and so would how rejection sampling spends its seed's
-            # random numbers; own text and a frozen drafter keep it reproducible.
-            seeded = compat.seeded_requests(self.runner, req_ids)
-            for i, (rid, h) in enumerate(zip(req_ids, history)):
-                self._texts[rid] = h.copy()
-                if len(props[i]) < self.K and not seeded[i]:  # own text has no full proposal
-                    other = self.recent.propose(h, self.K)
-                    if len(other) > len(props[i]):
-                        props[i] = other
-                        from_recent.add(i)
-        choice = prompt_lookup.choose_drafts(cut, props, [self.K] * len(cut), cfg.min_tokens)
-        self.lookup_recent_rows += sum(choice.from_lookup[i] for i in from_recent)
-        self._lookup_pending = {r for r, u in zip(req_ids, choice.from_lookup) if u}
-        return choice.drafts
+        return self.lookup.propose(cut, req_ids, compat.request_tokens(self.runner, req_ids),
+                                   compat.seeded_requests(self.runner, req_ids))
 
     # -- reading ----------------------------------------------------------------------------------
     def stats(self) -> OnlineSpecStats:
@@ -402,8 +352,9 @@ class OnlineSession:
             cost_a_s=cm.a if cm is not None else None,
             cost_b_s_per_token=cm.b if cm is not None else None,
             resumed_from=self.resumed_from, hooks=self.guard.stats(),
-            lookup_rows=self.lookup_rows, lookup_drafted=self.lookup_drafted,
-            lookup_accepted=self.lookup_accepted, lookup_recent_rows=self.lookup_recent_rows,
+            **({"lookup_rows": self.lookup.rows, "lookup_drafted": self.lookup.drafted,
+                "lookup_accepted": self.lookup.accepted,
+                "lookup_recent_rows": self.lookup.recent_rows} if self.lookup else {}),
             cutter=CutterStats(policy=c.policy_name, head=c.head_state, drafted=c.drafted,
                                verified=c.verified, last_reason=c.last_reason,
                                head_updates=c.head_version, head_labels=c.feedback.labels,

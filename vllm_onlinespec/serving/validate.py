@@ -35,6 +35,13 @@ def config_from_vllm(vllm_config: Any) -> OnlineSpecConfig:
             f"onlinespec.prompt_lookup: needs draft_sample_method 'greedy' in "
             f"--speculative-config (got {vc.draft_sample_method(vllm_config)!r}): the rejection "
             f"sampler reads the drafter's probabilities, which lookup's tokens do not have")
+    if cfg.prompt_lookup.enabled and cfg.prompt_lookup.source == "suffix_tree":
+        from vllm_onlinespec.drafter.suffix_tree import suffix_cache_class
+
+        try:
+            suffix_cache_class()
+        except ImportError as e:
+            raise ConfigError(f"onlinespec.{e}") from None
     return cfg
 
 

@@ -1,0 +1,104 @@
+"""The lookup stage: a second proposer beside the DFlash drafter, applied after vLLM drafts.
+
+    drafter's (cut) blocks + each request's text --source--> proposals --hybrid rule--> drafts
+
+Sources (config `prompt_lookup.source`):
+  ngram        vLLM's ngram rule on the request's own text (drafter/prompt_lookup.propose),
+               then recently finished requests' text (prompt_lookup.RecentText) where the own
+               text proposes fewer than K; a proposal replaces the drafter's block when it
+               fills `min_tokens` (default K)
+  suffix_tree  SuffixDecoding's trees over the request's text and finished outputs
+               (drafter/suffix_tree.py); its draft replaces the drafter's block where its score
+               (expected accepted tokens) reaches `suffix_min_score`
+Seeded requests use their own text only (the ngram rule): a draft that depends on what else
+was served would change how rejection sampling spends the seed's random numbers.
+
+Either way the target verifies what is proposed: lossless. The stage counts what it drafted
+and what was accepted, apart from the drafter's rows (the verify-length policy and the length
+head score only the drafter's blocks).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from vllm_onlinespec.config import PromptLookupConfig
+from vllm_onlinespec.drafter import prompt_lookup
+
+
+class LookupStage:
+    def __init__(self, cfg: PromptLookupConfig, K: int) -> None:
+        self.cfg, self.K = cfg, K
+        self.recent = None  # prompt_lookup.RecentText (ngram source), when it searches others
+        self.tree = None  # drafter.suffix_tree.SuffixTreeLookup (suffix_tree source)
+        if cfg.source == "suffix_tree":
+            from vllm_onlinespec.drafter.suffix_tree import SuffixTreeLookup
+
+            self.tree = SuffixTreeLookup(cfg.suffix_max_depth, cfg.suffix_max_cached_requests,
+                                         cfg.suffix_max_spec_factor, cfg.suffix_min_token_prob)
+        elif cfg.recent_tokens:
+            self.recent = prompt_lookup.RecentText(cfg.recent_tokens, cfg.recent_min_n,
+                                                   cfg.recent_max_n)
+        # Each drafting request's text as of its last step (a copy: vLLM reuses the row),
+        # added to `recent` when the request finishes.
+        self.texts: dict[str, Any] = {}
+        # Requests whose draft for the next verification came from lookup, not the drafter.
+        self.pending: set[str] = set()
+        self.rows = self.drafted = self.accepted = 0
+        self.recent_rows = 0  # of rows, proposed from other requests' text (ngram source)
+
+    def propose(self, cut: list[list[int]], req_ids: list[str], history: list[Any],
+                seeded: list[bool]) -> list[list[int]]:
+        """The step's drafts: lookup's proposal where the hybrid rule takes it, else the
+        drafter's cut block. Up to K tokens even where the budget's gate asked vLLM's drafter
+        for fewer or none: the gate prices the drafter's acceptance, and a lookup match is
+        accepted far more often (3.1 of 4 against 1.2 per drafted step, step_cost.md); the
+        scheduler takes up to K drafts from any proposer."""
+        cfg, K = self.cfg, self.K
+        props = [prompt_lookup.propose(h, K, cfg.min_n, cfg.max_n) for h in history]
+        need: list[int | None] = [cfg.min_tokens] * len(cut)
+        from_recent = set()
+        if self.tree is not None:
+            for i, (rid, h) in enumerate(zip(req_ids, history)):
+                if seeded[i]:
+                    continue  # own text only: the ngram proposal above
+                d = self.tree.propose(rid, h, K)
+                # The tree's score decides; a confident draft counts whatever its length.
+                props[i], need[i] = (d.tokens, 1) if d.score >= cfg.suffix_min_score else ([], None)
+        elif self.recent is not None:
+            for i, (rid, h) in enumerate(zip(req_ids, history)):
+                self.texts[rid] = h.copy()
+                if len(props[i]) < K and not seeded[i]:  # own text has no full proposal
+                    other = self.recent.propose(h, K)
+                    if len(other) > len(props[i]):
+                        props[i] = other
+                        from_recent.add(i)
+        choice = prompt_lookup.choose_drafts(cut, props, [K] * len(cut), need)
+        self.recent_rows += sum(choice.from_lookup[i] for i in from_recent)
+        self.pending = {r for r, u in zip(req_ids, choice.from_lookup) if u}
+        return choice.drafts
+
+    def finish(self, req_ids) -> None:
+        """Finished requests: their text joins what later requests search."""
+        if self.tree is not None:
+            self.tree.finish(req_ids)
+        for rid in req_ids:
+            text = self.texts.pop(rid, None)
+            if text is not None and self.recent is not None:
+                self.recent.add(text)
+
+    def drafter_rows(self, req_ids: list[str], drafted: list[int] | None,
+                     accepted: list[int]) -> list[int] | None:
+        """Draft tokens verified per request, 0 where lookup drafted (counted here instead)."""
+        pending, self.pending = self.pending, set()
+        if not pending or drafted is None:
+            return drafted
+        out = []
+        for rid, d, a in zip(req_ids, drafted, accepted):
+            if rid in pending and d:
+                self.rows += 1
+                self.drafted += d
+                self.accepted += a
+                d = 0
+            out.append(d)
+        return out
