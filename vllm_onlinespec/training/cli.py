@@ -76,9 +76,11 @@ RECIPES: dict[str, dict] = {
         "exclude_categories": "math_reasoning", "max_prompt_tokens": 512, "max_heldout": 64,
         "self_prompts": 2400, "max_new_tokens": 256, "sampled_answers": 1, "temperature": 0.8,
         "top_p": 1.0, "followups": 1, "token_budget": 520_000,
-        "gen_dtype": "bfloat16", "layers": 2, "block_size": 5, "num_target_features": 3,
-        "steps": 9000, "batch_size": 4, "anchors_per_seq": 8, "lr": 1e-3, "warmup_steps": 50,
-        "loss_vocab": "seen", "eval_anchors": 16, "eval_every": 1500, "features": "vllm",
+        "gen_dtype": "bfloat16", "layers": 1, "block_size": 5, "num_target_features": 3,
+        "loss_mode": "ce", "gamma": 3.0, "normalize_features": True, "compute_dtype": "bfloat16",
+        "draft_vocab_size": 8192, "steps": 6000, "batch_size": 4, "anchors_per_seq": 128,
+        "lr": 1e-3, "warmup_steps": 100, "eval_anchors": 16, "eval_every": 750,
+        "features": "vllm",
     },
     # The earlier small recipe (~15 min, 200 prompts x 192 greedy tokens, 1 layer, K = 7): what
     # the benchmarks' per-run starting drafters are built from (bench.cli.recipe_flags).
