@@ -2,11 +2,13 @@
 
     python benchmarks/drafter_served.py --prompts RUN/heldout_prompts.jsonl \
         --arm nospec --arm dflash:DRAFTER_DIR:4 [--arm dflash:OTHER:7 ...] \
-        [--arm recipe:DRAFTER_DIR:4] [--arm ngram:4] [--arm suffix:16] \
+        [--arm recipe:DRAFTER_DIR:4] [--arm recipe-tree:DRAFTER_DIR:4] [--arm ngram:4] \
+        [--arm suffix:16] \
         --batch1 12 --batch8 32 --max-tokens 128 --out runs/drafter/served.json
 
 `dflash` arms are vLLM's own DFlash worker; `recipe` arms serve the drafter through this
 project's worker with learning off and the CPU serving recipe (budget + prompt lookup);
+`recipe-tree` the same with SuffixDecoding's trees as the lookup source;
 `ngram` and `suffix` are vLLM's training-free methods. Every arm is one engine in its own
 subprocess (one engine at a time on the CPU box; a fresh process per engine keeps timings
 independent). Each engine serves the held-out prompts twice:
@@ -84,14 +86,14 @@ class ArmConf:
             return cls(name=f"ngram-k{parts[1]}", method="ngram", k=int(parts[1]))
         if parts[0] == "suffix" and len(parts) == 2:
             return cls(name=f"suffix-k{parts[1]}", method="suffix", k=int(parts[1]))
-        if parts[0] in ("dflash", "recipe") and len(parts) == 3:
+        if parts[0] in ("dflash", "recipe", "recipe-tree") and len(parts) == 3:
             d = Path(parts[1])
             if not (d / "config.json").is_file():
                 raise SystemExit(f"--arm {spec}: {d} has no config.json")
             return cls(name=f"{parts[0]}-k{parts[2]}:{d.name}", method=parts[0], drafter=str(d),
                        k=int(parts[2]))
-        raise SystemExit(f"--arm {spec!r}: expected nospec, ngram:K, suffix:K, dflash:DIR:K or "
-                         "recipe:DIR:K")
+        raise SystemExit(f"--arm {spec!r}: expected nospec, ngram:K, suffix:K, dflash:DIR:K, "
+                         "recipe:DIR:K or recipe-tree:DIR:K")
 
 
 def _counters(llm) -> dict[str, int]:
@@ -106,11 +108,14 @@ def run_engine(arm: ArmConf, prompts: list[dict], n1: int, n8: int, max_tokens: 
     from vllm_onlinespec.engine import engine_kwargs
 
     kw = engine_kwargs()
-    if arm.method in ("dflash", "recipe"):
+    if arm.method in ("dflash", "recipe", "recipe-tree"):
         kw["speculative_config"] = {"method": "dflash", "model": arm.drafter,
                                     "num_speculative_tokens": arm.k}
     if arm.method == "recipe":
         kw["additional_config"] = {"onlinespec": SERVING_RECIPE}
+    elif arm.method == "recipe-tree":  # the recipe with SuffixDecoding's trees as lookup source
+        kw["additional_config"] = {"onlinespec": {**SERVING_RECIPE, "prompt_lookup": {
+            "enabled": True, "source": "suffix_tree"}}}
     elif arm.method == "suffix":
         kw["speculative_config"] = {"method": "suffix", "num_speculative_tokens": arm.k}
     elif arm.method == "ngram":

@@ -17,8 +17,17 @@ import json
 import os
 from typing import Annotated, Any, Literal, get_args
 
-import annotated_types as at
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+try:
+    import annotated_types as at
+    from pydantic import (BaseModel, ConfigDict, Field, ValidationError, field_validator,
+                          model_validator)
+
+    PYDANTIC = True
+except ImportError:  # the GPU device image has no pydantic (benchmarks/gpu_check.sh)
+    from ._pydantic_lite import (BaseModel, ConfigDict, Field, ValidationError, at,  # type: ignore
+                                 field_validator, model_validator)
+
+    PYDANTIC = False
 
 ROOT = "onlinespec"
 

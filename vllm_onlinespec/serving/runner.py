@@ -4,7 +4,8 @@
   execute_model     timed (step profile, the budget's step cost)
   _sample           remembers the rejection sampler's output (accepted lengths); the oracle
   propose_draft_token_ids   the budget's step gate (draft K, fewer, or vLLM's K = 0 drafter path); timed
-  sample_tokens     before: a view of the target step; after: feedback -> buffer, then publish
+  sample_tokens     before: a view of the target step (on GPU its features copied, before vLLM's
+                    drafter can overwrite them); after: feedback -> buffer, then publish
   take_draft_token_ids   the verify-length policy cuts each request's draft
 
 Every hook follows one pattern (serving/guard.py): vLLM's own call runs outside any guard, so
@@ -128,6 +129,11 @@ class OnlineSpecRunnerMixin:
         if session is not None:
             with guard(G.CAPTURE), self._onlinespec_profile.ours(inside_sample_tokens=True):
                 view = session.capture(self)
+                if view is not None and _copies_features(session):
+                    # Before vLLM's sampler and drafter run (both inside super().sample_tokens):
+                    # on GPU the drafter's CUDA graphs replay into the pool that holds the
+                    # target's outputs (compat/step_view.py `own_features`).
+                    view = compat.own_features(view)
         out = super().sample_tokens(grammar_output)
         if session is not None:
             with guard(G.FEEDBACK), self._onlinespec_profile.ours(inside_sample_tokens=True):
@@ -155,6 +161,19 @@ class OnlineSpecRunnerMixin:
         if self._onlinespec is not None:
             self._onlinespec.close()
             self._onlinespec = None
+
+
+def _copies_features(session: Any) -> bool:
+    """Whether this step's target features must be copied before vLLM drafts: something reads
+    them after the step (the learner's buffer, the feature log, the draft tracer), and the
+    platform can overwrite them meanwhile. Not on CPU: there the runner's outputs are ordinary
+    tensors its step state holds (no CUDA graph pool, no weak references), so the drafter's
+    forward allocates its own and the copy would be wasted work on the serving thread."""
+    if compat.is_cpu():
+        return False
+    return (getattr(session, "buffer", None) is not None
+            or getattr(session, "feature_log", None) is not None
+            or getattr(session, "tracer", None) is not None)
 
 
 _RUNNER_CLASSES: dict[type, type] = {}

@@ -78,8 +78,8 @@ RECIPES: dict[str, dict] = {
         "top_p": 1.0, "followups": 1, "token_budget": 520_000,
         "gen_dtype": "bfloat16", "layers": 1, "block_size": 5, "num_target_features": 3,
         "loss_mode": "ce", "gamma": 3.0, "normalize_features": True, "compute_dtype": "bfloat16",
-        "draft_vocab_size": 8192, "steps": 6000, "batch_size": 4, "anchors_per_seq": 128,
-        "lr": 1e-3, "warmup_steps": 100, "eval_anchors": 16, "eval_every": 750,
+        "draft_vocab_size": 8192, "steps": 5000, "batch_size": 4, "anchors_per_seq": 128,
+        "lr": 3e-3, "warmup_steps": 200, "eval_anchors": 16, "eval_every": 625,
         "features": "vllm",
     },
     # The earlier small recipe (~15 min, 200 prompts x 192 greedy tokens, 1 layer, K = 7): what

@@ -617,7 +617,7 @@ def train(target_path: str, train_samples: Sequence[Sample], heldout_samples: Se
         draft_vocab = vocab = frequent_vocab(train_ex, lm_head_w, cfg.draft_vocab_size, tcfg)
         log(f"draft vocabulary: the {len(vocab)} most frequent labels ("
             f"{label_coverage(train_ex, vocab):.2%} of the training labels), served as d2t")
-    if vocab is not None:
+    if vocab is not None and draft_vocab is None:
         log(f"loss vocabulary: {len(vocab)} of {lm_head_w.shape[0]} tokens (those in the "
             f"training sequences)")
 

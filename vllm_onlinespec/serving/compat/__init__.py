@@ -23,7 +23,8 @@ from vllm_onlinespec.serving.compat.parallel import (broadcast_snapshot, broadca
                                                       tp_group, tp_rank)
 from vllm_onlinespec.serving.compat.patches import apply_patches, preload_intel_openmp
 from vllm_onlinespec.serving.compat.step_view import (StepView, accepted_counts,
-                                                      draft_token_ids_type, request_tokens,
+                                                      draft_token_ids_type, own_features,
+                                                      request_tokens,
                                                       seeded_requests,
                                                       step_token_counts, step_view,
                                                       with_spec_tokens)
@@ -40,7 +41,7 @@ __all__ = [
     "StepView", "VLLM_VERSION", "broadcast_snapshot", "broadcast_version", "tp_group", "tp_rank", "WORKER_QUALNAME", "accepted_counts", "additional_config",
     "apply_patches", "base_runner_class", "base_worker_class", "cpu_worker_builds",
     "draft_model_path", "draft_token_ids_type", "drafter_loading", "drafter_module", "is_cpu",
-    "load_draft_weights", "num_speculative_tokens", "target_hidden_size", "ours_requested", "preload_intel_openmp",
+    "load_draft_weights", "num_speculative_tokens", "own_features", "target_hidden_size", "ours_requested", "preload_intel_openmp",
     "read_draft_weights", "repack_drafter_linears", "request_tokens", "seeded_requests", "spec_method", "step_token_counts", "step_view", "with_spec_tokens", "target_embed_and_head",
     "time_target_steps", "wrap_draft_sampler", "wrap_drafter_load",
 ]

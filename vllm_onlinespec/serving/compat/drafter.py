@@ -60,7 +60,7 @@ def load_draft_weights(runner: Any, named: Iterable[tuple[str, torch.Tensor]]) -
         raise RuntimeError("the engine has no DFlash drafter to publish into")
     inner = getattr(model, "model", model)
     before = _tensor_attrs(inner)
-    with torch.inference_mode():
+    with torch.inference_mode(), _no_mask_embedding_lookup(model):
         model.load_weights(iter(list(named)))
         for attr, old in before.items():
             new = getattr(inner, attr, None)
@@ -68,6 +68,34 @@ def load_draft_weights(runner: Any, named: Iterable[tuple[str, torch.Tensor]]) -
                     and new.dtype == old.dtype and new.device == old.device):
                 old.copy_(new)
                 setattr(inner, attr, old)
+
+
+@contextlib.contextmanager
+def _no_mask_embedding_lookup(model: torch.nn.Module) -> Iterator[None]:
+    """Publishing never looks for a mask embedding file. vLLM's DFlash `load_weights` calls
+    `_read_mask_embedding` on every call (qwen3_dflash.py:910), which asks the hub for
+    `mask_embedding.pt` whenever the drafter is a hub id and the file is not in the local cache
+    (repo_utils.py:418-425 `get_hf_file_bytes` -> :381 `_try_download_from_hf_hub`, an HTTP
+    request with the hub's timeout unless HF_HUB_OFFLINE): on the serving thread, at every
+    publish. The lookup only matters at start-up: vLLM's own load put any shipped mask
+    embedding into the `mask_embedding` parameter and set `has_separate_mask_embedding`
+    (:911-913), which load_weights only ever sets, never clears; a publish carries the
+    learner's weights, never a mask embedding (read_draft_weights leaves it out), so without
+    the lookup the loader simply leaves that parameter as loaded. The lookup is shadowed on
+    this instance for the call only (vLLM's class is untouched; other models keep theirs)."""
+    if not callable(getattr(model, "_read_mask_embedding", None)):
+        yield
+        return
+    had = "_read_mask_embedding" in vars(model)
+    saved = vars(model).get("_read_mask_embedding")
+    model._read_mask_embedding = lambda: None
+    try:
+        yield
+    finally:
+        if had:
+            model._read_mask_embedding = saved
+        else:
+            del model._read_mask_embedding
 
 
 def _tensor_attrs(module: torch.nn.Module) -> dict[str, torch.Tensor]:

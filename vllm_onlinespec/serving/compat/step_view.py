@@ -46,6 +46,30 @@ def step_view(runner: Any) -> StepView | None:
     )
 
 
+def own_features(view: StepView) -> StepView:
+    """The view with copies of its tensors, taken now: call it before vLLM's drafter runs.
+
+    On GPU the target's `hidden_states` / `aux_hidden_states` are the output of a captured CUDA
+    graph, which vLLM keeps only as weak references into the global graph pool
+    (compilation/cuda_graph.py:200 `get_global_graph_pool`, :326-337 `weak_ref_tensors`); the
+    drafter's graphs replay into the same pool during `propose_draft_token_ids`
+    (gpu_model_runner.py:4362-4409, inside `sample_tokens`), so after the step those rows may
+    hold the drafter's activations. vLLM copies the aux states itself before drafting
+    (gpu_model_runner.py:4952-4993 `torch.cat`), never the final hidden states. The clones are
+    queued on the current stream, ahead of the sampler's and the drafter's kernels: no host
+    sync. Every scheduled row is copied (which rows commit is known only after sampling); the
+    feedback then gathers the committed ones from these copies."""
+    import dataclasses
+
+    return dataclasses.replace(
+        view,
+        input_ids=view.input_ids.clone(),
+        positions=view.positions.clone(),
+        hidden_states=view.hidden_states.clone(),
+        aux_hidden_states=([h.clone() for h in view.aux_hidden_states]
+                           if view.aux_hidden_states else view.aux_hidden_states))
+
+
 def _rows(buf: Any, n: int) -> torch.Tensor:
     """First n rows of a runner buffer: a CpuGpuBuffer (use its host side) or a plain tensor."""
     return (buf.cpu if hasattr(buf, "cpu") and not isinstance(buf, torch.Tensor) else buf)[:n]
