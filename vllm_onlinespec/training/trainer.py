@@ -730,6 +730,7 @@ def train(target_path: str, train_samples: Sequence[Sample], heldout_samples: Se
                            ("loss", "rows"), ("distill", "rows"), ("length", "blocks"),
                            ("accepted", "full_blocks"), ("match_1", "rows"),
                            ("grad_norm", "rows"))},
+                       "rows": int(sum(w["rows"] for w in window)),  # supervised draft rows
                        "elapsed_s": round(time.perf_counter() - t_train, 1)}
                 _log(out, row)
                 bar.set_postfix(loss=f"{row['loss']:.3f}", acc=f"{row['accepted'] + 1:.2f}")
