@@ -38,25 +38,25 @@ SPEC_BENCH_GUESSES = ("../shared/data/spec_bench/question.jsonl", "shared/data/s
 # Recipes: named settings measured on the project's 2-core CPU box (why: in the comments).
 RECIPES: dict[str, dict] = {
     # SmolLM2-135M-Instruct, the drafter shipped in the package (vllm_onlinespec/drafters/).
-    # Measured per phase on the 2-core box (docs/results/drafter.md, round 4 unless named):
+    # The drafter shipped before smollm2-scaled; measured per phase on a 2-core box, 2026-12-01/02:
     # - data: Spec-Bench (all categories but math_reasoning, which the demo serves as the new
     #   domain) + HumanEval, prompts <= 512 tokens, 10 % held out by prompt hash: 380 training
     #   prompts. Each: 1 greedy + 2 sampled answers (T 0.8, no nucleus cut, per-prompt seeds) +
     #   1 follow-up turn on its greedy answer, 256 tokens max: 1520 sequences, 233 k response
     #   tokens, vLLM bf16, <= 128 sequences in flight: 1234 s. The features are logged by this
-    #   project's worker in the same vLLM pass (29 s to write the shards; round 2's separate HF
+    #   project's worker in the same vLLM pass (29 s to write the shards; a separate HF
     #   pass took 1270 s, and top-p 0.95 made its generation 1845 s: vLLM's CPU top-p sorts the
     #   vocabulary every step). 3 sampled answers + 2 follow-ups (352 k response tokens)
-    #   trained for the same steps did not beat it (+0.01 held out, round 3).
+    #   trained for the same steps did not beat it (+0.01 held out).
     # - training: fp32 (bf16 autocast was slower here: no AMX; matmuls 1.5x slower in bf16),
     #   the chunked fused LM-head loss over the ~12 k tokens the data contains (--loss-vocab
     #   seen: 3x the steps per second of the full 49 152), K = 4, batch 4 x 8 anchors, 9000
-    #   steps: 2043 s at 4.4 steps/s (1342 s on the box round 2 ran on). Chosen by measurement:
+    #   steps: 2043 s at 4.4 steps/s (1342 s on another box). Chosen by measurement:
     #   8 anchors beat 16 and 64 (more steps beat more rows per step), batch 4 beat 2, lr 1e-3
-    #   beat 3e-3 (round 2, equal wall time); 2 and 3 drafter layers gain +0.01-0.05 per step
+    #   beat 3e-3 (equal wall time); 2 and 3 drafter layers gain +0.01-0.05 per step
     #   and cost 1.39x / 1.76x per step, so 1 layer wins at equal time; K = 7 could add at
     #   most 0.02 tokens per step (0.8 % of steps accept all 4) for a 2.07x instead of 1.39x
-    #   verify step (round 4); initialising from the target's last layer did not help.
+    #   verify step; initialising from the target's last layer did not help.
     # Whole recipe from scratch: ~58 min here.
     "smollm2-default": {
         "target": "smollm2-135m", "humaneval": True, "spec_bench": "auto",
@@ -67,10 +67,20 @@ RECIPES: dict[str, dict] = {
         "steps": 9000, "batch_size": 4, "anchors_per_seq": 8, "lr": 1e-3, "warmup_steps": 50,
         "loss_vocab": "seen", "eval_anchors": 16, "eval_every": 1500, "features": "vllm",
     },
-    # The scaled drafter: ~2x the distinct answer tokens of smollm2-default (its prompts plus
-    # user turns the target writes itself, greedy first, then sampled and follow-up turns up to
-    # the token budget), trained on dense anchors with the cached target argmax (see
-    # docs/results/drafter.md for the measured rows per second and the curve).
+    # The shipped drafter (measured on a 2-vCPU Zen 5 box, 2026-12-04, docs/results/drafter.md):
+    # - data: smollm2-default's 380 prompts + 2336 user turns the target writes itself
+    #   (training/self_prompts.py), greedy answers first; the 520 k token budget ends generation
+    #   within the greedy round (518 k tokens; ~9 min for the prompts, 27 min for the answers).
+    # - training: CE to the target's argmax cached once per sequence (the step never runs the
+    #   target's head), features normalised per dimension, bf16 autocast: 3.95x the draft rows
+    #   per second of smollm2-default's settings (trainer_throughput.md). 16 sequences x 32
+    #   anchors a step: at 4 sequences x 128 anchors (same rows, same wall time per step)
+    #   held-out acceptance rose no faster per step than smollm2-default's 4 x 8, at lr 1e-3
+    #   or 3e-3; 16 sequences learned faster from the first hundred steps. The 8192 most
+    #   frequent labels (98.6 % of them) are trained and served as the draft vocabulary.
+    # - 3400 steps (6.85 M draft rows, 21 passes over the answers, 37 min): held-out
+    #   acceptance flat at 1.47-1.50 from ~2000 steps on while training batches keep rising.
+    # Whole recipe from scratch: ~80 min here.
     "smollm2-scaled": {
         "target": "smollm2-135m", "humaneval": True, "spec_bench": "auto",
         "exclude_categories": "math_reasoning", "max_prompt_tokens": 512, "max_heldout": 64,
@@ -78,8 +88,8 @@ RECIPES: dict[str, dict] = {
         "top_p": 1.0, "followups": 1, "token_budget": 520_000,
         "gen_dtype": "bfloat16", "layers": 1, "block_size": 5, "num_target_features": 3,
         "loss_mode": "ce", "gamma": 3.0, "normalize_features": True, "compute_dtype": "bfloat16",
-        "draft_vocab_size": 8192, "steps": 5000, "batch_size": 4, "anchors_per_seq": 128,
-        "lr": 3e-3, "warmup_steps": 200, "eval_anchors": 16, "eval_every": 625,
+        "draft_vocab_size": 8192, "steps": 3400, "batch_size": 16, "anchors_per_seq": 32,
+        "lr": 3e-3, "warmup_steps": 150, "eval_anchors": 16, "eval_every": 425,
         "features": "vllm",
     },
     # The earlier small recipe (~15 min, 200 prompts x 192 greedy tokens, 1 layer, K = 7): what
@@ -93,8 +103,12 @@ RECIPES: dict[str, dict] = {
     },
 }
 RECIPE_NOTES = {
+    "smollm2-scaled": "the shipped SmolLM2-135M-Instruct drafter: smollm2-default's prompts + "
+                      "2336 self-written user turns, 518 k greedy answer tokens, CE on cached "
+                      "target labels, 16 x 32 anchors a step in bf16, 3400 steps, an 8192-token "
+                      "draft vocabulary; ~80 min from scratch on 2 cores",
     "smollm2-small": "a ~15-min drafter: 200 prompts x 192 greedy tokens, 1 layer, K = 7",
-    "smollm2-default": "the shipped SmolLM2-135M-Instruct drafter: Spec-Bench (without "
+    "smollm2-default": "the drafter shipped before smollm2-scaled: Spec-Bench (without "
                        "math_reasoning) + HumanEval, greedy + 2 sampled answers + 1 follow-up per "
                        "prompt (233 k response tokens, features logged by vLLM), 1 drafter "
                        "layer, K = 4, target layers [1, 14, 27], 9000 steps on the data's own "
