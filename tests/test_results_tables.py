@@ -20,8 +20,6 @@ def test_tables_become_rows_with_numbers():
 
 def test_every_results_page_has_its_json():
     for md in (ROOT / "docs" / "results").glob("*.md"):
-        if md.name == "README.md":  # the index of the pages, not a result
-            continue
         data = md.with_suffix(".json")
         assert data.is_file(), f"{md.name} has no {data.name}"
         json.loads(data.read_text())
@@ -34,3 +32,13 @@ def test_index_lists_every_result():
         if md.name == "README.md":
             continue
         assert f"]({md.name})" in index, f"docs/results/README.md does not list {md.name}"
+
+
+def test_index_json_holds_the_index_table():
+    """README.json is the index's table as data: one row per linked result, same headlines."""
+    index = (ROOT / "docs" / "results" / "README.md").read_text()
+    rows = json.loads((ROOT / "docs" / "results" / "README.json").read_text())["rows"]
+    linked = [line for line in index.splitlines() if line.startswith("| [")]
+    assert [r["page"] for r in rows] == [line.split("](")[1].split(")")[0] for line in linked]
+    for r, line in zip(rows, linked):
+        assert r["headline"] in line and r["command"] in line

@@ -1,6 +1,6 @@
 """Training data at scale: prompts -> several answers each + follow-up turns -> feature shards.
 
-    train prompts --(round 1: greedy, round 2: n sampled answers, round 3: follow-up turns)-->
+    train prompts --(greedy answers, then n sampled answers, then follow-up turns)-->
         Samples (generation cache, resumable per batch)
     Samples --(HF target, one prompt pass shared by all of its answers)--> shards + manifest
 
