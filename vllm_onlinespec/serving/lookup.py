@@ -55,7 +55,9 @@ class LookupStage:
         accepted far more often (3.1 of 4 against 1.2 per drafted step, step_cost.md); the
         scheduler takes up to K drafts from any proposer."""
         cfg, K = self.cfg, self.K
-        props = [prompt_lookup.propose(h, K, cfg.min_n, cfg.max_n) for h in history]
+        # With the tree, only seeded requests take the ngram rule (their own text only).
+        props = [prompt_lookup.propose(h, K, cfg.min_n, cfg.max_n)
+                 if self.tree is None or s else [] for h, s in zip(history, seeded)]
         need: list[int | None] = [cfg.min_tokens] * len(cut)
         from_recent = set()
         if self.tree is not None:
