@@ -1,7 +1,10 @@
 """The budget's step gate in a live engine (float32, SmolLM2 + the shipped drafter, learning
-off): steps switch between vLLM's K = 0 drafter path (gate shut) and full drafts (exploring),
-with prompt lookup drafting K tokens where the text repeats, also in steps the gate shut, and
-greedy output stays the target's, token for token."""
+off): steps switch between the drafter's context-only K = 0 step (gate shut) and full drafts
+(exploring), with prompt lookup drafting K tokens where the text repeats, also in steps the gate
+shut, and greedy output stays the target's, token for token. The context-only K = 0 step writes
+the same context K/V as vLLM's own K = 0 forward."""
+
+import os
 
 import pytest
 import torch
@@ -25,6 +28,9 @@ def served(smollm2_path):
     from vllm_onlinespec.models import shipped_drafter
     from vllm_onlinespec.serving.stats import fetch
 
+    # The K/V comparison sends a function to the worker (collective_rpc), which vLLM only
+    # deserialises with this set; test-only.
+    os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
     llm = LLM(model=smollm2_path, dtype="float32", **engine_kwargs(max_model_len=512),
               speculative_config={"method": "dflash", "model": str(shipped_drafter("smollm2-135m")),
                                   "num_speculative_tokens": K},
@@ -44,9 +50,69 @@ def served(smollm2_path):
             outs += llm.chat([[{"role": "user", "content": p}] for p in PROMPTS], params,
                              use_tqdm=False)
         stats = fetch(llm)
+        assert llm.collective_rpc(compare_k0_paths)[0]
+        k0_outs = llm.chat([[{"role": "user", "content": p}] for p in PROMPTS], params,
+                           use_tqdm=False)
+        k0 = llm.collective_rpc(k0_report)[0]
     finally:
         llm.llm_engine.engine_core.shutdown()
-    return {"outs": outs, "stats": stats}
+    return {"outs": outs, "stats": stats, "k0_outs": k0_outs, "k0": k0}
+
+
+def compare_k0_paths(worker):
+    """On the worker: every other drafter call becomes a K = 0 step, run twice from the same
+    cache state: vLLM's own K = 0 forward, then (cache restored) the context-only path that
+    serves. Per step, every K/V element on which the two end states differ must lie in the
+    bonus-query slots of vLLM's forward (found by writing a sentinel into those slots of a
+    scratch copy: layout-free). Those rows are past the committed tokens (seq_lens excludes
+    them) and the next step's context overwrites them."""
+    import torch
+
+    from vllm_onlinespec.serving.compat.drafter import context_only_propose
+
+    proposer = worker.model_runner.drafter
+    full = proposer._onlinespec_full_propose
+    m = proposer.model.model
+    attns = m._attn_layers
+    ints = {4: torch.int32, 2: torch.int16, 1: torch.uint8}
+
+    def bits(t):  # bitwise: unwritten cache memory may hold NaNs, which never equal themselves
+        return t.view(ints[t.element_size()])
+
+    rep = proposer._k0_report = {"steps": 0, "written": 0, "outside_query": 0, "differing": 0,
+                                 "shape_ok": 0, "calls": 0}
+
+    def checking(num_speculative_tokens, **kw):
+        rep["calls"] += 1
+        if rep["calls"] % 2:
+            return full(num_speculative_tokens, **kw)
+        before = [a.kv_cache.clone() for a in attns]
+        ref = full(0, **kw)
+        B = kw["common_attn_metadata"].batch_size()
+        query_slots = proposer._slot_mapping_buffer[:B].clone()  # 1 + 0 query rows a request
+        by_full = [a.kv_cache.clone() for a in attns]
+        for a, b in zip(attns, before):
+            a.kv_cache.copy_(b)
+        out = context_only_propose(proposer, **kw)
+        rep["shape_ok"] += int(tuple(out.shape) == tuple(ref.shape) == (B, 0))
+        for a, b, f in zip(attns, before, by_full):
+            probe = b.clone()
+            sentinel = torch.full((B, m._num_kv_heads, m._head_dim), 12345.0, dtype=b.dtype)
+            a.impl.do_kv_cache_update(a, sentinel, sentinel.clone(), probe, query_slots)
+            in_query = bits(probe) != bits(b)
+            c, b, f = bits(a.kv_cache), bits(b), bits(f)
+            rep["written"] += int((c != b).sum())
+            rep["differing"] += int((c != f).sum())
+            rep["outside_query"] += int(((c != f) & ~in_query).sum())
+        rep["steps"] += 1
+        return out
+
+    proposer.propose = checking
+    return True
+
+
+def k0_report(worker):
+    return dict(worker.model_runner.drafter._k0_report)
 
 
 @pytest.fixture(scope="module")
@@ -68,3 +134,12 @@ def test_switching_between_k0_and_drafting_is_lossless(served, hf_target):
 def test_the_head_was_scored_on_real_verification(served):
     c = served["stats"].cutter
     assert c.head_labels > 0 and c.head_feedback_updates > 0, c
+
+
+def test_context_only_k0_step_writes_the_full_forwards_context_kv(served, hf_target):
+    k0 = served["k0"]
+    assert k0["steps"] > 3 and k0["written"] > 0 and k0["shape_ok"] == k0["steps"], k0
+    # every K/V element outside vLLM's bonus-query slots is as its K = 0 forward left it
+    assert k0["outside_query"] == 0, k0
+    # drafts made right after context-only K = 0 steps are still verified: output is the target's
+    assert_greedy_equal(served["k0_outs"], hf_target, MAX_TOKENS)

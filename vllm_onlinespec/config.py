@@ -147,6 +147,12 @@ class LengthHeadConfig(_Section):
         True, description="'budget' only: before drafting, decide whether the next step "
         "speculates at all (policy/step_gate.py); a step that would not pay runs vLLM's "
         "drafter at K = 0 (context K/V kept, no draft) and verifies nothing")
+    k0_step: Literal["context_only", "forward"] = Field(
+        "context_only", description="what the DFlash drafter runs on a step that drafts "
+        "nothing (the gate shut, or a plain feature-logging engine): 'context_only' writes only "
+        "the new tokens' context K/V (fc and the k/v projections; no drafter layers, no LM "
+        "head), 'forward' runs vLLM's own K = 0 path (also the drafter's layers over the "
+        "bonus-token queries, output discarded). Both keep later drafts identical")
     explore_every: int = Field(
         32, ge=2, description="'budget' gate: while shut, every this-many-th step drafts anyway "
         "so the acceptance estimate stays current (>= 2, steps)")

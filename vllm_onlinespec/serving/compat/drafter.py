@@ -210,3 +210,55 @@ def wrap_draft_sampler(runner: Any, on_hidden: Callable[[torch.Tensor], None]) -
 
     drafter._sample_draft_tokens = _sample_draft_tokens
     return True
+
+
+def install_context_only_k0(runner: Any) -> bool:
+    """Make vLLM's DFlash proposer take a context-only path when it is asked for 0 draft
+    tokens (a K = 0 step of the budget's gate, or a plain feature-logging engine): the new
+    tokens' context K/V are written (fc + the fused k/v projection, norm, RoPE, cache insert:
+    what every later draft attends to) and nothing else runs. vLLM's own K = 0 path also runs
+    the drafter's layers over the B bonus-token queries and throws their output away
+    (llm_base_proposer.py:617-626); those queries' K/V sit past the committed tokens and are
+    overwritten by the next step's context before anything reads them. Returns whether the
+    path is installed (only on a DFlash proposer, once)."""
+    proposer = getattr(runner, "drafter", None)
+    model = getattr(proposer, "model", None)
+    if (getattr(proposer, "method", None) != "dflash"
+            or not hasattr(model, "precompute_and_store_context_kv")
+            or getattr(proposer, "_onlinespec_k0", False)):
+        return False
+    full = proposer.propose
+
+    def propose(num_speculative_tokens, *args, **kwargs):
+        if num_speculative_tokens != 0 or args:  # vLLM passes keywords (gpu_model_runner.py:5006)
+            return full(num_speculative_tokens, *args, **kwargs)
+        return context_only_propose(proposer, **kwargs)
+
+    proposer.propose = propose
+    proposer._onlinespec_k0 = True
+    proposer._onlinespec_full_propose = full  # vLLM's own, for tests that compare the two
+    return True
+
+
+def context_only_propose(proposer: Any, *, target_token_ids, target_positions,
+                         target_hidden_states, next_token_ids, common_attn_metadata,
+                         token_indices_to_sample=None, num_rejected_tokens_gpu=None,
+                         **_unused) -> torch.Tensor:
+    """DFlashProposer.propose at 0 draft tokens without the query forward: the same first two
+    stages as vLLM's (combine_hidden_states, set_inputs_first_pass: the context positions and
+    slots) and the same context K/V write (build_model_inputs_first_pass's
+    precompute_and_store_context_kv), then an empty [B, 0] draft."""
+    proposer.num_speculative_tokens = 0
+    proposer._last_draft_probs = None
+    batch_size = common_attn_metadata.batch_size()
+    hidden = proposer.model.combine_hidden_states(target_hidden_states)
+    proposer.set_inputs_first_pass(
+        target_token_ids=target_token_ids, next_token_ids=next_token_ids,
+        target_positions=target_positions, target_hidden_states=hidden,
+        token_indices_to_sample=token_indices_to_sample, cad=common_attn_metadata,
+        num_rejected_tokens_gpu=num_rejected_tokens_gpu)
+    n = proposer._dflash_num_context
+    proposer.model.precompute_and_store_context_kv(
+        proposer._dflash_hidden_states, proposer._context_positions_buffer[:n],
+        proposer._context_slot_mapping_buffer[:n])
+    return torch.empty(batch_size, 0, device=hidden.device, dtype=torch.int64)
