@@ -99,7 +99,13 @@ def arms_for(ks: list[int], drafter: str) -> list[ArmConf]:
                             online={**online, "publish": {"repack": True}}),
                     # the budget with its step gate (k_min 0: a step may verify nothing)
                     ArmConf("budget", "ours", k, online={
-                        "enabled": False, "length_head": {"policy": "budget", "k_min": 0}})]
+                        "enabled": False, "length_head": {"policy": "budget", "k_min": 0}}),
+                    # the floor: every step drafts nothing (context K/V only), and the same
+                    # with vLLM's own K = 0 drafter forward
+                    ArmConf("k0", "ours", k, online={"enabled": False, "features": {"plain": True}}),
+                    ArmConf("k0-forward", "ours", k, online={
+                        "enabled": False, "features": {"plain": True},
+                        "length_head": {"k0_step": "forward"}})]
     return out
 
 
@@ -235,7 +241,8 @@ def markdown(rows: list[Row], meta: dict) -> str:
            f"`oracle` accepts every draft (benchmark-only; its output is NOT the target's). "
            f"`iomp`: Intel OpenMP preloaded for vLLM's workers (this project does it by default "
            f"for its own speculative engines; `nospec+iomp`, `ngram`, `dflash-vllm` preload it "
-           f"by hand). Wall time {meta['wall_s']:.0f} s.", "",
+           f"by hand). Wall time {meta['wall_s']:.0f} s. Box: {meta.get('box', 'not recorded')}.",
+           "",
            "| arm | K | batch | tok/s (min-max) | vs nospec | ms/step (min-max) | accept len | "
            "tokens/step/request | verify tok/step |", "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
@@ -290,6 +297,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--arms", help="comma-separated arm names to keep (default all)")
+    ap.add_argument("--reversed-pass", action="store_true",
+                    help="measure every arm again in reversed order; rows merge both passes")
+    ap.add_argument("--name", default="step_cost",
+                    help="report file names NAME.json / NAME.md (in --out and, with --publish, "
+                         "docs/results/)")
     ap.add_argument("--out", default="runs/step_cost")
     ap.add_argument("--publish", action="store_true", help="copy the report to docs/results/")
     ap.add_argument("--report", action="store_true", help="only rebuild the report from the "
@@ -308,7 +320,8 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.perf_counter()
     out = Path(args.out)
     if args.report:
-        return write_reports(out, *rows_from_disk(out), args.publish)
+        rows, meta = rows_from_disk(out)
+        return write_reports(out, merge_passes(rows), meta, args.publish)
     out.mkdir(parents=True, exist_ok=True)
     target = str(resolve(args.target))
     drafter = args.drafter or default_drafter(target, out)
@@ -319,6 +332,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.arms:
         keep = set(args.arms.split(","))
         arms = [a for a in arms if a.name in keep]
+    if args.reversed_pass:  # a second pass with the arm order reversed: drift shows as spread
+        arms = arms + arms[::-1]
     rows: list[Row] = []
     for i, arm in enumerate(arms):
         job = out / f"job-{i}.json"
@@ -340,12 +355,50 @@ def main(argv: list[str] | None = None) -> int:
             print(f"  batch {r.batch}: {r.tok_s:.1f} tok/s, {r.step_ms:.1f} ms/step, accept "
                   f"{r.accept_len or 1:.2f}", flush=True)
         rows += arm_rows
+    rows = merge_passes(rows)
     meta = {"date": time.strftime("%Y-%m-%d"), "target": target, "drafter": drafter,
             "dtype": "bfloat16 unless the arm says fp32", "max_tokens": args.max_tokens, "batches": batches,
             "repeats": args.repeats, "ks": ks, "wall_s": time.perf_counter() - t0,
-            "command": "python benchmarks/step_cost.py " + " ".join(argv or sys.argv[1:])}
+            "command": "python benchmarks/step_cost.py " + " ".join(argv or sys.argv[1:]),
+            "name": args.name, "box": box()}
     (out / "meta.json").write_text(json.dumps(meta))
     return write_reports(out, rows, meta, args.publish)
+
+
+def box() -> str:
+    """The CPU this ran on, as lscpu names it, and its core count."""
+    try:
+        model = next(line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo")
+                     if line.startswith("model name"))
+    except (OSError, StopIteration):
+        model = "unknown CPU"
+    try:
+        flags = next(line for line in open("/proc/cpuinfo") if line.startswith("flags")).split()
+    except (OSError, StopIteration):
+        flags = []
+    isa = ", ".join(f for f in ("avx512_bf16", "amx_bf16") if f in flags) or "no AVX512-BF16/AMX"
+    return f"{model}, {os.cpu_count()} logical CPUs ({isa})"
+
+
+def merge_passes(rows: list[Row]) -> list[Row]:
+    """One row per (arm, K, batch): an arm measured in two passes (--reversed-pass) gets the
+    mean of its passes' medians, the min and max over every repeat of both, and their repeats;
+    the rest (accept length, step breakdown) from the first pass."""
+    merged: dict[tuple, Row] = {}
+    for r in rows:
+        key = (r.arm, r.K, r.batch)
+        m = merged.get(key)
+        if m is None:
+            merged[key] = Row(**asdict(r))
+            continue
+        n = m.repeats // r.repeats  # passes already merged in
+        m.tok_s = (m.tok_s * n + r.tok_s) / (n + 1)
+        m.step_ms = (m.step_ms * n + r.step_ms) / (n + 1)
+        m.tok_s_min, m.tok_s_max = min(m.tok_s_min, r.tok_s_min), max(m.tok_s_max, r.tok_s_max)
+        m.step_ms_min = min(m.step_ms_min, r.step_ms_min)
+        m.step_ms_max = max(m.step_ms_max, r.step_ms_max)
+        m.repeats += r.repeats
+    return list(merged.values())
 
 
 def rows_from_disk(out: Path) -> tuple[list[Row], dict]:
@@ -377,14 +430,15 @@ def first_mtime(out: Path) -> float:
 
 def write_reports(out: Path, rows: list[Row], meta: dict, publish: bool) -> int:
     add_speedups(rows)
-    (out / "step_cost.json").write_text(json.dumps({"meta": meta, "rows": [asdict(r) for r in rows]},
-                                                   indent=1))
-    (out / "step_cost.md").write_text(markdown(rows, meta))
+    name = meta.get("name", "step_cost")
+    (out / f"{name}.json").write_text(json.dumps({"meta": meta, "rows": [asdict(r) for r in rows]},
+                                                 indent=1))
+    (out / f"{name}.md").write_text(markdown(rows, meta))
     print(markdown(rows, meta))
     if publish:
         dst = ROOT / "docs" / "results"
-        for name in ("step_cost.json", "step_cost.md"):
-            shutil.copy(out / name, dst / name)
+        for fn in (f"{name}.json", f"{name}.md"):
+            shutil.copy(out / fn, dst / fn)
     return 0
 
 

@@ -1,5 +1,7 @@
 """drafter/prompt_lookup.py and the hybrid rule as serving applies it (session.cut_drafts)."""
 
+import dataclasses
+import json
 import random
 from types import SimpleNamespace
 
@@ -120,6 +122,7 @@ class FakeInputBatch:
     def __init__(self, histories):
         width = max(len(h) for h in histories.values()) + 8
         self.req_id_to_index = {r: i for i, r in enumerate(histories)}
+        self.req_ids = list(histories)
         self.token_ids_cpu = np.zeros((len(histories), width), dtype=np.int32)
         self.num_tokens_no_spec = np.zeros(len(histories), dtype=np.int32)
         for i, h in enumerate(histories.values()):
@@ -129,6 +132,8 @@ class FakeInputBatch:
 
 class CuttingCutter:
     """The verify-length policy's side of the session: cuts to `keep`, records what it saw."""
+
+    policy_name = "fixed"
 
     def __init__(self, keep):
         self.keep, self.observed = keep, []
@@ -146,12 +151,77 @@ class CuttingCutter:
         pass
 
 
-def lookup_session(histories, keep=4, min_tokens=None, plain=False):
-    cfg = OnlineSpecConfig.from_any({"prompt_lookup": {"enabled": True, "min_tokens": min_tokens},
+def lookup_session(histories, keep=4, min_tokens=None, plain=False, K=4, drafter_k=4, **over):
+    cfg = OnlineSpecConfig.from_any({"prompt_lookup": {"enabled": True, "min_tokens": min_tokens,
+                                                       **over},
                                      "features": {"plain": plain}})
-    return bare_session(runner=SimpleNamespace(input_batch=FakeInputBatch(histories)), K=4,
-                        cfg=cfg, lookup=LookupStage(cfg.prompt_lookup, 4),
+    return bare_session(runner=SimpleNamespace(input_batch=FakeInputBatch(histories)), K=K,
+                        drafter_k=drafter_k, cfg=cfg,
+                        lookup=LookupStage(cfg.prompt_lookup, K, drafter_k),
                         cutter=CuttingCutter(keep))
+
+
+@dataclasses.dataclass
+class SchedOut:
+    num_spec_tokens_to_schedule: int = 4
+
+
+def test_gate_skips_the_drafter_where_lookup_drafts_every_request():
+    # Committed "5 6 7 8 9 10 5", sampled this step "6": the text now ends "5 6", seen before
+    # followed by 7 8 9 10. vLLM drafts before it books the sampled token, so the gate reads it
+    # from the step's sampled ids (-1: rejected).
+    hist = {"a": [5, 6, 7, 8, 9, 10, 5], "b": [1, 2, 3, 4, 9, 1, 2]}
+    s = lookup_session(hist)
+    gated = s.gate_drafting(SchedOut(), [[6, -1, -1, -1, -1], [3, -1, -1, -1, -1]])
+    assert gated is not None and gated[1] == 0 and gated[0].num_spec_tokens_to_schedule == 0
+    assert s.lookup.skipped_steps == 1
+    # After the step's bookkeeping the drafts are the lookup's (prepared at the gate), whatever
+    # vLLM's drafter (asked for 0) returned.
+    s.runner.input_batch = FakeInputBatch({"a": hist["a"] + [6], "b": hist["b"] + [3]})
+    out = s.cut_drafts(SimpleNamespace(req_ids=["a", "b"], draft_token_ids=[[], []]))
+    assert out.draft_token_ids == [[7, 8, 9, 10], [4, 9, 1, 2]]
+    # One request without a full proposal: the drafter runs (vLLM's K, left alone).
+    s = lookup_session(hist)
+    assert s.gate_drafting(SchedOut(), [[6, -1, -1, -1, -1], [7, -1, -1, -1, -1]]) is None
+    assert s.lookup.skipped_steps == 0
+    # Without the step's sampled tokens nothing is prepared and nothing is skipped; off by config.
+    assert lookup_session(hist).gate_drafting(SchedOut(), None) is None
+    s = lookup_session(hist, skip_drafter=False)
+    assert s.gate_drafting(SchedOut(), [[6, -1, -1, -1, -1], [3, -1, -1, -1, -1]]) is None
+
+
+def test_drafter_drafts_its_own_block_and_lookup_fills_vllms_k():
+    # vLLM's K = 8, the drafter's block 4: the drafter is asked for 4, a lookup match verifies 8.
+    s = lookup_session({"a": list(range(10, 20)) + [10, 11], "b": [1, 2, 3]}, K=8, drafter_k=4)
+    gated = s.gate_drafting(SchedOut(8), [[12, -1], [4, -1]])
+    assert gated[1] == 4 and gated[0].num_spec_tokens_to_schedule == 4
+    s.runner.input_batch = FakeInputBatch({"a": list(range(10, 20)) + [10, 11, 12],
+                                           "b": [1, 2, 3, 4]})
+    out = s.cut_drafts(SimpleNamespace(req_ids=["a", "b"], draft_token_ids=[[0] * 4, [7] * 4]))
+    assert out.draft_token_ids == [list(range(13, 20)) + [10], [7] * 4]
+    # An ngram proposal is taken once it fills the drafter's 4, not vLLM's 8.
+    s = lookup_session({"a": [5, 6, 7, 8, 9, 10, 5, 6]}, K=8, drafter_k=4)
+    out = s.cut_drafts(SimpleNamespace(req_ids=["a"], draft_token_ids=[[0] * 4]))
+    assert out.draft_token_ids == [[7, 8, 9, 10, 5, 6]]
+
+
+def test_drafter_tokens_follow_the_block_and_the_config(tmp_path):
+    from vllm_onlinespec.config import ConfigError
+    from vllm_onlinespec.serving.validate import drafter_tokens
+
+    from vllm_onlinespec.models import shipped_drafter
+
+    conf = json.loads((shipped_drafter("smollm2-135m") / "config.json").read_text())
+    conf["block_size"] = 5
+    conf.get("dflash_config", {}).pop("block_size", None)
+    (tmp_path / "config.json").write_text(json.dumps(conf))
+    cfg = OnlineSpecConfig()
+    assert drafter_tokens(cfg, str(tmp_path), 16) == 4  # its block, 5 - 1
+    assert drafter_tokens(cfg, str(tmp_path), 3) == 3  # at most vLLM's K
+    assert drafter_tokens(cfg, str(tmp_path / "missing"), 7) == 7  # no config of ours: K
+    assert drafter_tokens(OnlineSpecConfig.from_any({"drafter_tokens": 2}), str(tmp_path), 16) == 2
+    with pytest.raises(ConfigError, match="drafter_tokens"):
+        OnlineSpecConfig.from_any({"drafter_tokens": 0})
 
 
 def test_session_verifies_lookup_where_the_text_repeats_and_keeps_it_from_the_policy():

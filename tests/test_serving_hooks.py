@@ -235,6 +235,8 @@ def bare_session(**over):
     s.info = lambda: {}
     for k, v in over.items():
         setattr(s, k, v)
+    if "drafter_k" not in over:
+        s.drafter_k = getattr(s, "K", 4)  # the drafter drafts every one of vLLM's K
     return s
 
 
@@ -486,7 +488,7 @@ def test_a_shut_gate_asks_vllms_drafter_for_k0_on_a_copy(runner):
     try:
         for k in (0, 2, 4):  # shut, fewer than K, all K
             runner._onlinespec = SimpleNamespace(
-                gate_drafting=lambda so, k=k: (dataclasses.replace(
+                gate_drafting=lambda so, sampled=None, k=k: (dataclasses.replace(
                     so, num_spec_tokens_to_schedule=k), k) if k < 4 else (so, 4),
                 observe_draft_time=lambda d, s: timed.append(d))
             so = SO({"a": 1, "b": 3}, {}, 4)

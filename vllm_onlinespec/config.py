@@ -145,8 +145,8 @@ class LengthHeadConfig(_Section):
         "verify nothing for a request whose draft does not pay)")
     gate: bool = Field(
         True, description="'budget' only: before drafting, decide whether the next step "
-        "speculates at all (policy/step_gate.py); a step that would not pay runs vLLM's "
-        "drafter at K = 0 (context K/V kept, no draft) and verifies nothing")
+        "speculates at all (policy/step_gate.py); a step that would not pay drafts "
+        "nothing (the drafter's context K/V only, `k0_step`) and verifies nothing")
     k0_step: Literal["context_only", "forward"] = Field(
         "context_only", description="what the DFlash drafter runs on a step that drafts "
         "nothing (the gate shut, or a plain feature-logging engine): 'context_only' writes only "
@@ -190,8 +190,8 @@ class FeatureLogConfig(_Section):
         "request with a cache hit cannot be assembled: turn prefix caching off where every "
         "request should count")
     plain: bool = Field(
-        False, description="never speculate: every step runs vLLM's drafter at K = 0 (the "
-        "context K/V only, no draft) and verifies nothing, so the engine decodes as plain vLLM "
+        False, description="never speculate: every step drafts nothing (the drafter's "
+        "context K/V only, `length_head.k0_step`) and verifies nothing, so the engine decodes as plain vLLM "
         "does while it logs features (data generation)")
     flush_tokens: int = Field(
         16384, ge=1, description="write a file once this many token rows are pending (>= 1); "
@@ -324,9 +324,14 @@ class PromptLookupConfig(_Section):
     max_n: int = Field(
         4, ge=1, description="longest suffix n-gram tried first, in tokens (>= min_n)")
     min_tokens: int | None = Field(
-        None, ge=1, description="use a lookup proposal only if it has at least this many "
-        "tokens (>= 1; None = the step's full draft length, the rule measured offline: a short "
-        "proposal means the match ran into the end of the text, where the drafter does better)")
+        None, ge=1, description="ngram source: use a lookup proposal only if it has at least "
+        "this many tokens (>= 1; None = the drafter's draft length, `drafter_tokens`: the rule "
+        "measured offline, a short proposal means the match ran into the end of the text, "
+        "where the drafter does better)")
+    skip_drafter: bool = Field(
+        True, description="when every request of a step has a lookup draft the rule takes, "
+        "the DFlash drafter drafts nothing that step (its context K/V only, "
+        "`length_head.k0_step`): its block would be replaced everywhere")
     recent_tokens: int = Field(
         4096, ge=0, description="where the request's own text has no match, search the text "
         "(prompt + output) of recently finished requests, this many tokens of it, oldest "
@@ -384,6 +389,12 @@ class OnlineSpecConfig(_Section):
     enabled: bool = Field(True, description="learn online while serving (False = frozen drafter)")
     drafter: str | None = Field(
         None, description="path of the DFlash drafter checkpoint to start from (HF folder)")
+    drafter_tokens: int | None = Field(
+        None, ge=1, description="draft tokens the DFlash drafter proposes per request and step "
+        "(>= 1; None = its trained block, block_size - 1, at most num_speculative_tokens). "
+        "vLLM's num_speculative_tokens above it is room for prompt-lookup drafts only: a "
+        "suffix-tree match may draft up to num_speculative_tokens tokens, the drafter never "
+        "drafts rows it was not trained for")
 
     # -- what one update sees ---------------------------------------------------------------
     batch_blocks: int = Field(

@@ -20,15 +20,30 @@ head score only the drafter's blocks).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 from vllm_onlinespec.config import PromptLookupConfig
 from vllm_onlinespec.drafter import prompt_lookup
 
 
+@dataclass
+class Proposals:
+    """One step's lookup proposals, per request of the batch (in the drafts' order)."""
+
+    req_ids: list[str]
+    tokens: list[list[int]]
+    need: list[int | None]  # tokens a proposal must fill to be taken (None: the step's cap)
+    from_recent: set[int]  # rows proposed from other requests' text (ngram source)
+
+
 class LookupStage:
-    def __init__(self, cfg: PromptLookupConfig, K: int) -> None:
+    def __init__(self, cfg: PromptLookupConfig, K: int, drafter_k: int | None = None) -> None:
+        """K: the longest draft a step verifies (vLLM's num_speculative_tokens); drafter_k: the
+        DFlash drafter's own draft length (default K). An ngram proposal is taken where it
+        fills `min_tokens` (default drafter_k); a tree draft where its score is confident."""
         self.cfg, self.K = cfg, K
+        self.drafter_k = K if drafter_k is None else drafter_k
         self.recent = None  # prompt_lookup.RecentText (ngram source), when it searches others
         self.tree = None  # drafter.suffix_tree.SuffixTreeLookup (suffix_tree source)
         if cfg.source == "suffix_tree":
@@ -46,19 +61,16 @@ class LookupStage:
         self.pending: set[str] = set()
         self.rows = self.drafted = self.accepted = 0
         self.recent_rows = 0  # of rows, proposed from other requests' text (ngram source)
+        self.skipped_steps = 0  # steps whose every request had a lookup draft: no drafter forward
+        self._prepared: Proposals | None = None
 
-    def propose(self, cut: list[list[int]], req_ids: list[str], history: list[Any],
-                seeded: list[bool]) -> list[list[int]]:
-        """The step's drafts: lookup's proposal where the hybrid rule takes it, else the
-        drafter's cut block. Up to K tokens even where the budget's gate asked vLLM's drafter
-        for fewer or none: the gate prices the drafter's acceptance, and a lookup match is
-        accepted far more often (3.1 of 4 against 1.2 per drafted step, step_cost.md); the
-        scheduler takes up to K drafts from any proposer."""
+    def _proposals(self, req_ids: list[str], history: list[Any], seeded: list[bool]) -> Proposals:
         cfg, K = self.cfg, self.K
+        min_tokens = self.drafter_k if cfg.min_tokens is None else cfg.min_tokens
         # With the tree, only seeded requests take the ngram rule (their own text only).
         props = [prompt_lookup.propose(h, K, cfg.min_n, cfg.max_n)
                  if self.tree is None or s else [] for h, s in zip(history, seeded)]
-        need: list[int | None] = [cfg.min_tokens] * len(cut)
+        need: list[int | None] = [min_tokens] * len(req_ids)
         from_recent = set()
         if self.tree is not None:
             for i, (rid, h) in enumerate(zip(req_ids, history)):
@@ -70,13 +82,34 @@ class LookupStage:
         elif self.recent is not None:
             for i, (rid, h) in enumerate(zip(req_ids, history)):
                 self.texts[rid] = h.copy()
-                if len(props[i]) < K and not seeded[i]:  # own text has no full proposal
+                if len(props[i]) < min_tokens and not seeded[i]:  # own text has no full proposal
                     other = self.recent.propose(h, K)
                     if len(other) > len(props[i]):
                         props[i] = other
                         from_recent.add(i)
-        choice = prompt_lookup.choose_drafts(cut, props, [K] * len(cut), need)
-        self.recent_rows += sum(choice.from_lookup[i] for i in from_recent)
+        return Proposals(list(req_ids), props, need, from_recent)
+
+    def prepare(self, req_ids: list[str], history: list[Any], seeded: list[bool]) -> bool:
+        """Before vLLM's drafter runs (the step's sampled tokens are already in `history`):
+        the proposals `propose` will use, and whether every request has one the hybrid rule
+        takes. Then the drafter's block would be thrown away for every request, and the step
+        can skip the drafter (context K/V only)."""
+        self._prepared = p = self._proposals(req_ids, history, seeded)
+        return bool(req_ids) and all(len(t[:self.K]) >= max(1, self.K if n is None else n)
+                                     for t, n in zip(p.tokens, p.need))
+
+    def propose(self, cut: list[list[int]], req_ids: list[str], history: list[Any],
+                seeded: list[bool]) -> list[list[int]]:
+        """The step's drafts: lookup's proposal where the hybrid rule takes it, else the
+        drafter's cut block. Up to K tokens even where the budget's gate asked vLLM's drafter
+        for fewer or none: the gate prices the drafter's acceptance, and a lookup match is
+        accepted far more often (3.1 of 4 against 1.2 per drafted step, step_cost.md); the
+        scheduler takes up to K drafts from any proposer."""
+        p, self._prepared = self._prepared, None
+        if p is None or p.req_ids != list(req_ids):  # not prepared for this batch
+            p = self._proposals(req_ids, history, seeded)
+        choice = prompt_lookup.choose_drafts(cut, p.tokens, [self.K] * len(cut), p.need)
+        self.recent_rows += sum(choice.from_lookup[i] for i in p.from_recent)
         self.pending = {r for r, u in zip(req_ids, choice.from_lookup) if u}
         return choice.drafts
 

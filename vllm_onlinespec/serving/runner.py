@@ -107,7 +107,7 @@ class OnlineSpecRunnerMixin:
         if session is not None and args:
             gated = None
             with guard(G.GATE), self._onlinespec_profile.ours(inside_sample_tokens=True):
-                gated = session.gate_drafting(args[0])
+                gated = session.gate_drafting(args[0], args[1] if len(args) > 1 else None)
             if gated is not None:  # the budget's gate may ask vLLM's drafter for k < K tokens
                 args, k = (gated[0], *args[1:]), gated[1]
         t0 = time.perf_counter()

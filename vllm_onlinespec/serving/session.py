@@ -34,7 +34,7 @@ from vllm_onlinespec.serving.metrics import MetricsWriter
 from vllm_onlinespec.serving.publish import Publisher
 from vllm_onlinespec.serving.stats import BufferStats, CutterStats, LearnerStats, OnlineSpecStats
 from vllm_onlinespec.serving.trace import DraftTracer
-from vllm_onlinespec.serving.validate import config_from_vllm, drafter_dir
+from vllm_onlinespec.serving.validate import config_from_vllm, drafter_dir, drafter_tokens
 
 logger = logging.getLogger("vllm_onlinespec")
 # Token counts the start-up probe times: decode-sized to a full verify batch of a busy server.
@@ -70,11 +70,13 @@ class OnlineSession:
         self.resumed_from: str | None = None
         # The version of vLLM's drafter that proposed the drafts the next step verifies.
         self._drafted_by = 0
-        self.lookup = LookupStage(cfg.prompt_lookup, self.K) if cfg.prompt_lookup.enabled else None
-
         drafter_path = str(drafter_dir(runner.vllm_config, cfg))  # a hub id: vLLM's snapshot
+        # The drafter's own draft length; K above it is room for lookup drafts only.
+        self.drafter_k = drafter_tokens(cfg, drafter_path, self.K)
+        self.lookup = (LookupStage(cfg.prompt_lookup, self.K, self.drafter_k)
+                       if cfg.prompt_lookup.enabled else None)
         head, trusted = self._build(runner, drafter_path)
-        self.cutter = DraftCutter(cfg.length_head, self.K, head=head, head_trusted=trusted,
+        self.cutter = DraftCutter(cfg.length_head, self.drafter_k, head=head, head_trusted=trusted,
                                   on_skip=self.guard.skip)
         if self.cutter.needs_hidden and not compat.wrap_draft_sampler(runner, self.observe_draft_hidden):
             self.guard.skip(G.NO_DRAFT_SAMPLER)
@@ -141,7 +143,7 @@ class OnlineSession:
                                     module_device(compat.drafter_module(runner)) or lm_head.device)
             # A head learning from real verification (head_lr > 0) is the cutter's to train.
             from_verification = cfg.length_head.head_lr > 0
-            self.parts = build_learner(cfg, drafter_path, embed, lm_head, self.K,
+            self.parts = build_learner(cfg, drafter_path, embed, lm_head, self.drafter_k,
                                        train_length_head=(wants_head and cfg.length_head.train
                                                           and not from_verification),
                                        device=device)
@@ -218,26 +220,35 @@ class OnlineSession:
             self.guard.skip(G.NO_STEP_VIEW)
         return view
 
-    def gate_drafting(self, scheduler_output: Any) -> tuple[Any, int] | None:
+    def gate_drafting(self, scheduler_output: Any, sampled: Any = None) -> tuple[Any, int] | None:
         """Before this step's drafter runs: (the scheduler output vLLM's drafter should see,
-        the draft length k it asks for), or None to leave the step alone (K). A plain-decoding
-        feature-log engine always asks for k = 0. The budget's gate tells the policy the next
-        step's batch and scheduled tokens besides drafts and picks k in 0..K: where drafting
-        fewer than K (or none) pays better, vLLM gets a copy of the scheduler output asking for
-        k (vLLM's own dynamic-K path: for k = 0 the context K/V is still written, no draft)."""
+        the draft length k it asks for), or None to leave the step alone (K). k is at most the
+        drafter's own length (`drafter_tokens`); the budget's gate tells the policy the next
+        step's batch and scheduled tokens besides drafts and picks k in 0..drafter_k; where
+        every request has a lookup draft the hybrid rule takes, k = 0. A plain-decoding
+        feature-log engine always asks for k = 0. `sampled`: this step's sampled tokens (vLLM
+        drafts before it books them), which the lookup needs. Fewer than K: vLLM gets a copy of the
+        scheduler output asking for k (vLLM's own dynamic-K field; at k = 0 the drafter writes
+        its context K/V only, compat.install_context_only_k0)."""
         if self.cfg.features.plain:  # a data-generation engine: plain decoding, features logged
             return compat.with_spec_tokens(scheduler_output, 0), 0
-        if self.cutter.policy_name != "budget":
-            return None
-        B, base = compat.step_token_counts(scheduler_output)
-        k = self.cutter.plan_next(B, base).k
+        k = self.drafter_k
+        if self.cutter.policy_name == "budget":
+            B, base = compat.step_token_counts(scheduler_output)
+            k = min(k, self.cutter.plan_next(B, base).k)
+        if k and sampled is not None and self.lookup is not None and self.cfg.prompt_lookup.skip_drafter:
+            req_ids = compat.batch_req_ids(self.runner)
+            history = compat.tokens_before_bookkeeping(self.runner, req_ids, sampled)
+            if self.lookup.prepare(req_ids, history, compat.seeded_requests(self.runner, req_ids)):
+                self.lookup.skipped_steps += 1
+                k = 0
         if k >= self.K:
-            return scheduler_output, self.K
+            return None
         return compat.with_spec_tokens(scheduler_output, k), k
 
     def observe_draft_time(self, k: int | None, seconds: float) -> None:
         """vLLM's drafter forward at draft length k (None: K) took `seconds`."""
-        self.cutter.observe_draft_time(self.K if k is None else k, seconds)
+        self.cutter.observe_draft_time(self.drafter_k if k is None else k, seconds)
 
     def observe_draft_hidden(self, hidden: torch.Tensor) -> None:
         """Called inside vLLM's drafter, right before it samples: must never raise."""
@@ -354,7 +365,8 @@ class OnlineSession:
             resumed_from=self.resumed_from, hooks=self.guard.stats(),
             **({"lookup_rows": self.lookup.rows, "lookup_drafted": self.lookup.drafted,
                 "lookup_accepted": self.lookup.accepted,
-                "lookup_recent_rows": self.lookup.recent_rows} if self.lookup else {}),
+                "lookup_recent_rows": self.lookup.recent_rows,
+                "lookup_skipped_steps": self.lookup.skipped_steps} if self.lookup else {}),
             cutter=CutterStats(policy=c.policy_name, head=c.head_state, drafted=c.drafted,
                                verified=c.verified, last_reason=c.last_reason,
                                head_updates=c.head_version, head_labels=c.feedback.labels,

@@ -121,6 +121,7 @@ class OnlineSpecStats:
     lookup_drafted: int = 0  # of those, draft tokens verified
     lookup_accepted: int = 0  # and accepted
     lookup_recent_rows: int = 0  # request-steps whose lookup draft came from other requests' text
+    lookup_skipped_steps: int = 0  # steps every request drafted by lookup: no drafter forward
     hooks: HookStats = field(default_factory=HookStats)
     cutter: CutterStats = field(default_factory=CutterStats)
     learner: LearnerStats | None = None  # None: learning off

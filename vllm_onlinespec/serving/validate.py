@@ -13,9 +13,8 @@ from vllm_onlinespec.serving.compat import vllm_config as vc
 def config_from_vllm(vllm_config: Any) -> OnlineSpecConfig:
     """Validate `additional_config["onlinespec"]`; raises ConfigError (one line) when bad.
 
-    K (num_speculative_tokens) is not compared with the drafter's block_size: vLLM runs a DFlash
-    drafter with any K, and the learner trains the K positions vLLM serves
-    (learner/factory.py)."""
+    K (num_speculative_tokens) may exceed the drafter's block: the drafter then drafts its own
+    length (`drafter_tokens`) and K is room for lookup drafts (drafter_tokens below)."""
     cfg = OnlineSpecConfig.from_any(vc.additional_config(vllm_config).get("onlinespec"))
     method = vc.spec_method(vllm_config)
     if method != "dflash":
@@ -35,6 +34,9 @@ def config_from_vllm(vllm_config: Any) -> OnlineSpecConfig:
             f"onlinespec.prompt_lookup: needs draft_sample_method 'greedy' in "
             f"--speculative-config (got {vc.draft_sample_method(vllm_config)!r}): the rejection "
             f"sampler reads the drafter's probabilities, which lookup's tokens do not have")
+    if cfg.drafter_tokens is not None and cfg.drafter_tokens > k:
+        raise ConfigError(f"onlinespec.drafter_tokens: must be <= num_speculative_tokens = {k} "
+                          f"(got {cfg.drafter_tokens})")
     if cfg.prompt_lookup.enabled and cfg.prompt_lookup.source == "suffix_tree":
         from vllm_onlinespec.drafter.suffix_tree import suffix_cache_class
 
@@ -59,3 +61,18 @@ def drafter_dir(vllm_config: Any, cfg: OnlineSpecConfig, allow_download: bool = 
     if cfg.drafter:  # ours, not vLLM's: vLLM's revision does not apply to it
         revision = None
     return resolve_drafter_dir(name, revision, download_dir, allow_download=allow_download)
+
+
+def drafter_tokens(cfg: OnlineSpecConfig, drafter_path: str, K: int) -> int:
+    """Draft tokens the DFlash drafter proposes per request and step: `cfg.drafter_tokens`, else
+    the block it was trained for (block_size - 1; K where its config has none), at most K. The
+    learner trains, and the length head predicts, these positions."""
+    if cfg.drafter_tokens is not None:
+        return min(cfg.drafter_tokens, K)
+    try:
+        from vllm_onlinespec.drafter.checkpoint import load_drafter_config
+
+        block = load_drafter_config(drafter_path).block_size
+    except (OSError, ValueError, KeyError):  # a folder without our config: vLLM's K decides
+        return K
+    return max(1, min(K, block - 1))

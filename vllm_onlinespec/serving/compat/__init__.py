@@ -24,11 +24,12 @@ from vllm_onlinespec.serving.compat.drafter import (drafter_loading, drafter_mod
 from vllm_onlinespec.serving.compat.parallel import (broadcast_snapshot, broadcast_version,
                                                       tp_group, tp_rank)
 from vllm_onlinespec.serving.compat.patches import apply_patches, preload_intel_openmp
-from vllm_onlinespec.serving.compat.step_view import (StepView, accepted_counts,
+from vllm_onlinespec.serving.compat.step_view import (StepView, accepted_counts, batch_req_ids,
                                                       draft_token_ids_type, own_features,
                                                       request_tokens,
                                                       seeded_requests,
                                                       step_token_counts, step_view,
+                                                      tokens_before_bookkeeping,
                                                       with_spec_tokens)
 from vllm_onlinespec.serving.compat.vllm_config import (WORKER_QUALNAME, additional_config,
                                                         draft_model_path, num_speculative_tokens,
@@ -40,11 +41,11 @@ from vllm_onlinespec.serving.compat.workers import (base_runner_class, base_work
 VLLM_VERSION = "0.32.0"
 
 __all__ = [
-    "StepView", "VLLM_VERSION", "broadcast_snapshot", "broadcast_version", "tp_group", "tp_rank", "WORKER_QUALNAME", "accepted_counts", "additional_config",
+    "StepView", "VLLM_VERSION", "batch_req_ids", "broadcast_snapshot", "broadcast_version", "tp_group", "tp_rank", "WORKER_QUALNAME", "accepted_counts", "additional_config",
     "apply_patches", "base_runner_class", "base_worker_class", "cpu_worker_builds",
     "draft_model_path", "draft_token_ids_type", "drafter_loading", "drafter_module",
     "install_context_only_k0", "is_cpu",
     "load_draft_weights", "num_speculative_tokens", "own_features", "target_hidden_size", "ours_requested", "preload_intel_openmp",
-    "read_draft_weights", "repack_drafter_linears", "request_tokens", "seeded_requests", "spec_method", "step_token_counts", "step_view", "with_spec_tokens", "target_embed_and_head",
+    "read_draft_weights", "repack_drafter_linears", "request_tokens", "seeded_requests", "spec_method", "step_token_counts", "step_view", "tokens_before_bookkeeping", "with_spec_tokens", "target_embed_and_head",
     "time_target_steps", "wrap_draft_sampler", "wrap_drafter_load",
 ]

@@ -110,6 +110,31 @@ def with_spec_tokens(scheduler_output: Any, k: int) -> Any:
     return dataclasses.replace(scheduler_output, num_spec_tokens_to_schedule=k)
 
 
+def batch_req_ids(runner: Any) -> list[str]:
+    """The running batch's request ids in the order vLLM's drafts will have (the input batch's
+    rows; take_draft_token_ids reports `input_batch.req_ids`, gpu_model_runner.py:4681)."""
+    return [r for r in runner.input_batch.req_ids if r is not None]
+
+
+def tokens_before_bookkeeping(runner: Any, req_ids: list[str], sampled: Any) -> list[Any]:
+    """Each request's tokens as `request_tokens` will read them after this step, from inside
+    vLLM's DFlash propose call, which runs before the step's bookkeeping
+    (gpu_model_runner.py:4397-4409): the committed tokens plus this step's sampled ones
+    (`sampled`: [B, 1 + K] in batch order, -1 where rejected; a host copy on GPU)."""
+    import numpy as np
+    import torch
+
+    ib = runner.input_batch
+    rows = sampled.tolist() if isinstance(sampled, torch.Tensor) else sampled
+    out = []
+    for i, r in enumerate(req_ids):
+        row = ib.req_id_to_index[r]
+        old = ib.token_ids_cpu[row, : int(ib.num_tokens_no_spec[row])]
+        new = [t for t in (rows[i] if i < len(rows) else []) if t >= 0]
+        out.append(np.concatenate([old, np.asarray(new, dtype=old.dtype)]) if new else old)
+    return out
+
+
 def request_tokens(runner: Any, req_ids: list[str]) -> list[Any]:
     """Each request's committed token ids (prompt + output, this step's sampled tokens
     included: `_bookkeeping_sync` writes them before vLLM drafts), as views of the input
