@@ -97,6 +97,7 @@ def test_length_head_rules(tmp_path):
     def build(path, **length_head):
         s = object.__new__(OnlineSession)
         s.cfg, s.K, s.parts, s.leader = cfg(length_head=length_head), 4, None, True
+        s.drafter_k = 4
         emb, lm = targets()
         runner = SimpleNamespace(model=SimpleNamespace(
             model=SimpleNamespace(embed_tokens=SimpleNamespace(weight=emb)),

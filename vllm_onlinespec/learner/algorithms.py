@@ -155,6 +155,29 @@ class OnlineAlgorithm:
         self.state = [dict(st) for st in undo.state]
         self.t = undo.t
 
+    # -- memory ---------------------------------------------------------------------------------
+    @torch.no_grad()
+    def reserve(self) -> None:
+        """Allocate now what the first updates would allocate: every in-place state slot (the
+        zeros `_slot` would create at the first step: the update is the same) and the undo
+        buffers of a snapshot of every parameter. Called before vLLM profiles memory, so the
+        learner's steady state counts against vLLM's budget instead of failing after the KV
+        cache took the device."""
+        live = []
+        for i, p in enumerate(self.params):
+            live.append(p.detach())
+            live.extend(self._slot(i, n) for n in self._slots if n not in self._rebound_slots)
+        self._undo_copies(live)
+
+    def held_tensors(self) -> list[torch.Tensor]:
+        """Tensors this rule owns besides the parameters: state slots and undo buffers."""
+        return [t for st in self.state for t in st.values()] + list(self._undo_buffers)
+
+    def transient_slots(self) -> int:
+        """Per-parameter tensors a step allocates anew (rebound slots): the old and the new one
+        are alive together while it runs."""
+        return len(self._rebound_slots)
+
     # -- state ----------------------------------------------------------------------------------
     _slots: tuple[str, ...] = ()  # names of per-parameter state tensors
 
@@ -202,6 +225,15 @@ class OGD(OnlineAlgorithm):
         self.betas, self.eps, self.weight_decay = tuple(betas), eps, weight_decay
         self._init_state()
         self._denom_buffers: list[torch.Tensor] = []
+
+    @torch.no_grad()
+    def reserve(self) -> None:
+        super().reserve()
+        reuse_buffers(self._denom_buffers, [self._slot(i, "exp_avg_sq")
+                                            for i in range(len(self.params))])
+
+    def held_tensors(self) -> list[torch.Tensor]:
+        return super().held_tensors() + list(self._denom_buffers)
 
     @torch.no_grad()
     def step(self, grads: Grads) -> None:
@@ -394,6 +426,19 @@ class HedgeEnsemble(OnlineAlgorithm):
         for algo, g in zip(self.algos, grads):
             algo.step(g)
         self._write_average()
+
+    @torch.no_grad()
+    def reserve(self) -> None:
+        for algo in self.algos:
+            algo.reserve()
+        self._undo_copies([p.detach() for p in self.params])
+
+    def held_tensors(self) -> list[torch.Tensor]:
+        members = [q for mem in self.members for q in mem]
+        return members + [t for a in self.algos for t in a.held_tensors()] + list(self._undo_buffers)
+
+    def transient_slots(self) -> int:
+        return max((a.transient_slots() for a in self.algos), default=0)
 
     @torch.no_grad()
     def snapshot(self, grads: Sequence[Grads],  # type: ignore[override]

@@ -36,6 +36,7 @@ from .batches import BlockBatch, make_batch_fn
 from .buffer import FeedbackBuffer
 from .device import compute_dtype, learner_dtype, normalize_device, resolve_device
 from .learner import OnlineLearner
+from .memory import LearnerFootprint, learner_footprint
 
 logger = logging.getLogger("vllm_onlinespec")
 DTYPES_BY_NAME = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -146,6 +147,7 @@ class LearnerParts:
     config: DFlashConfig  # as the checkpoint has it (what checkpoints are written with)
     trained_config: DFlashConfig  # block_size = K + 1
     checkpoint_head: LengthHead | None  # the head the drafter checkpoint shipped, if any
+    footprint: LearnerFootprint | None = None  # its memory on the learner's device
 
 
 def build_learner(cfg: OnlineSpecConfig, drafter_path: str | Path, embed_w: torch.Tensor,
@@ -193,4 +195,8 @@ def build_learner(cfg: OnlineSpecConfig, drafter_path: str | Path, embed_w: torc
                                  draft_vocab=draft_vocab)
     learner = OnlineLearner(bundle, cfg, objective,
                             make_batch, buffer, save_model=save_model, holdback=K)
-    return LearnerParts(learner, buffer, bundle, dcfg, tcfg, ckpt_head)
+    learner.algo.reserve()  # the rule's state now, before vLLM profiles memory (learner/memory.py)
+    footprint = learner_footprint(
+        learner.params, learner.algo, rows=cfg.batch_blocks * K,
+        vocab=len(draft_vocab) if draft_vocab is not None else lm_head_w.shape[0])
+    return LearnerParts(learner, buffer, bundle, dcfg, tcfg, ckpt_head, footprint)

@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from vllm_onlinespec.config import OnlineSpecConfig
+from vllm_onlinespec.learner.memory import check_fits
 from vllm_onlinespec.serving.lookup import LookupStage
 from vllm_onlinespec.policy.cutter import DraftCutter
 from vllm_onlinespec.serving import compat
@@ -147,6 +148,11 @@ class OnlineSession:
                                        train_length_head=(wants_head and cfg.length_head.train
                                                           and not from_verification),
                                        device=device)
+            fp = self.parts.footprint
+            logger.info("onlinespec: %s", fp.describe(self.parts.learner.device))
+            # Not guarded: a learner that cannot fit stops start-up, with the numbers.
+            check_fits(fp, self.parts.learner.device,
+                       compat.gpu_memory_utilization(getattr(runner, "vllm_config", None)))
             if not wants_head:
                 return None, False
             trained = self.parts.bundle.length_head

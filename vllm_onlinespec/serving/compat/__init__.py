@@ -32,6 +32,7 @@ from vllm_onlinespec.serving.compat.step_view import (StepView, accepted_counts,
                                                       tokens_before_bookkeeping,
                                                       with_spec_tokens)
 from vllm_onlinespec.serving.compat.vllm_config import (WORKER_QUALNAME, additional_config,
+                                                        gpu_memory_utilization,
                                                         draft_model_path, num_speculative_tokens,
                                                         ours_requested, spec_method,
                                                         target_hidden_size)
@@ -43,7 +44,7 @@ VLLM_VERSION = "0.32.0"
 __all__ = [
     "StepView", "VLLM_VERSION", "batch_req_ids", "broadcast_snapshot", "broadcast_version", "tp_group", "tp_rank", "WORKER_QUALNAME", "accepted_counts", "additional_config",
     "apply_patches", "base_runner_class", "base_worker_class", "cpu_worker_builds",
-    "draft_model_path", "draft_token_ids_type", "drafter_loading", "drafter_module",
+    "draft_model_path", "draft_token_ids_type", "gpu_memory_utilization", "drafter_loading", "drafter_module",
     "install_context_only_k0", "is_cpu",
     "load_draft_weights", "num_speculative_tokens", "own_features", "target_hidden_size", "ours_requested", "preload_intel_openmp",
     "read_draft_weights", "repack_drafter_linears", "request_tokens", "seeded_requests", "spec_method", "step_token_counts", "step_view", "tokens_before_bookkeeping", "with_spec_tokens", "target_embed_and_head",

@@ -58,3 +58,9 @@ def draft_sample_method(vllm_config: Any) -> str:
     'probabilistic' (the rejection sampler reads the drafter's probabilities)."""
     spec = getattr(vllm_config, "speculative_config", None)
     return str(getattr(spec, "draft_sample_method", "greedy") or "greedy")
+
+
+def gpu_memory_utilization(vllm_config: Any) -> float:
+    """The share of the GPU vLLM budgets for itself (cache_config, default 0.9)."""
+    return float(getattr(getattr(vllm_config, "cache_config", None), "gpu_memory_utilization",
+                         0.9) or 0.9)
