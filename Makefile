@@ -29,9 +29,10 @@ model: setup
 	$(CLI) model pull smollm2-135m
 
 # Online learning under domain shift, two stream orders (~9 min on a 2-vCPU Zen 5; `$(CLI) demo --quick`: a few).
+# It replaces an earlier demo's runs/demo (--force).
 SPEC_BENCH ?= ../shared/data/spec_bench/question.jsonl
 demo: model
-	$(CLI) demo $(if $(wildcard $(SPEC_BENCH)),--spec-bench $(SPEC_BENCH))
+	$(CLI) demo --force $(if $(wildcard $(SPEC_BENCH)),--spec-bench $(SPEC_BENCH))
 
 test: model
 	$(PY) -m pytest -q -ra tests

@@ -259,3 +259,19 @@ def test_run_arms_runs_in_counterbalanced_order_and_reports_in_arm_order(tmp_pat
     specs = [types.SimpleNamespace(prompts=str(prompts), name=n) for n in "abc"]
     assert launch.run_arms(specs, tmp_path, repeat=1) == specs
     assert [s.name for s in ran] == ["c", "b", "a"]
+
+
+def test_demo_starts_from_an_empty_output_folder(tmp_path):
+    from vllm_onlinespec.bench.demo import fresh_output
+
+    out = tmp_path / "demo"
+    assert fresh_output(out, force=False).is_dir()  # absent: created
+    (out / "seed-0").mkdir()
+    (out / "seed-0" / "old.json").write_text("{}")
+    with pytest.raises(ValueError, match="not empty .* --force"):
+        fresh_output(out, force=False)
+    assert (out / "seed-0" / "old.json").exists()  # refused: nothing deleted
+    assert list(fresh_output(out, force=True).iterdir()) == []
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(ValueError, match="not a folder"):
+        fresh_output(tmp_path / "file", force=True)

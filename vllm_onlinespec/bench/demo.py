@@ -25,6 +25,7 @@ and prompt lookup beside the drafter).
 from __future__ import annotations
 
 import argparse
+import shutil
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -77,7 +78,10 @@ def add_demo_parser(sub: argparse._SubParsersAction) -> None:
     d.add_argument("--quick", action="store_true", help="a few-minute version")
     d.add_argument("--spec-bench", metavar="PATH", help="Spec-Bench question.jsonl: serve its "
                    "math_reasoning prompts (default: built-in chat prompts)")
-    d.add_argument("--out", default="runs/demo", help="output folder (default runs/demo)")
+    d.add_argument("--out", default="runs/demo", help="output folder (default runs/demo); "
+                   "must be empty or absent unless --force")
+    d.add_argument("--force", action="store_true",
+                   help="empty a non-empty --out first (an earlier demo's results are deleted)")
     d.add_argument("--target", default="smollm2-135m", help=argparse.SUPPRESS)
     d.set_defaults(func=run_demo)
 
@@ -153,6 +157,20 @@ def demo_arms(plan: DemoPlan, target: str, stream_path, out: Path, drafter: str)
                              arrivals=plan.arrivals, window_s=plan.window_s) for a in ARMS]
 
 
+def fresh_output(out: Path, force: bool) -> Path:
+    """An empty `out`: the demo's figures never mix with an earlier run's files (its report
+    reads every seed folder it finds). A non-empty one is refused, or emptied with `force`."""
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"--out {out}: exists and is not a folder")
+    if out.is_dir() and any(out.iterdir()):
+        if not force:
+            raise ValueError(f"--out {out}: not empty (an earlier demo?); pass --force to empty "
+                             f"it, or another --out")
+        shutil.rmtree(out)
+    out.mkdir(parents=True, exist_ok=True)
+    return out
+
+
 def run_demo(args: argparse.Namespace) -> int:
     from transformers import AutoTokenizer
 
@@ -164,7 +182,7 @@ def run_demo(args: argparse.Namespace) -> int:
 
     t0 = time.perf_counter()
     plan = PLANS["quick" if args.quick else "full"]
-    out = Path(args.out)
+    out = fresh_output(Path(args.out), args.force)
     timings: dict[str, float] = {}
 
     print(f"[1/4] target model: {args.target}", flush=True)
