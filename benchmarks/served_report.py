@@ -61,6 +61,18 @@ def rows_from_passes(passes: list[list[dict]]) -> list[Row]:
     return rows
 
 
+def paired(passes: list[list[dict]], a: str, b: str) -> dict[int, list[float]]:
+    """Per batch size, arm a's tok/s over arm b's in each pass that has both (same pass: the
+    box's drift between passes cancels)."""
+    out: dict[int, list[float]] = {}
+    for arms in passes:
+        by = {x["arm"]["name"]: {ph["batch"]: ph["tok_s"] for ph in x["phases"]} for x in arms}
+        if a in by and b in by:
+            for batch, t in by[a].items():
+                out.setdefault(batch, []).append(round(t / by[b][batch], 3))
+    return out
+
+
 def markdown(rows: list[Row], meta: dict) -> str:
     out = [f"# {meta['title']} ({meta['date']})", "", meta["setup"], "",
            "| arm | batch | tok/s (median) | vs nospec (min-max) | accept len | passes |",
@@ -69,6 +81,10 @@ def markdown(rows: list[Row], meta: dict) -> str:
         acc = f"{r.accept_len:.2f}" if r.accept_len else "-"
         out.append(f"| {r.arm} | {r.batch} | {r.tok_s:.1f} | {r.vs_nospec:.2f}x "
                    f"({r.spread[0]:.2f}-{r.spread[1]:.2f}) | {acc} | {r.repeats} |")
+    for pair in meta.get("versus", []):
+        out += ["", f"{pair['a']} over {pair['b']}, tok/s in the same pass: " + "; ".join(
+            f"batch {b}: {statistics.median(v):.2f}x (passes: {', '.join(f'{x:.2f}' for x in v)})"
+            for b, v in sorted(pair["ratios"].items(), key=lambda kv: int(kv[0])))]
     out += ["", f"Passes: {', '.join(meta['sources'])}."]
     return "\n".join(out) + "\n"
 
@@ -82,11 +98,15 @@ def main() -> int:
     ap.add_argument("--title", required=True)
     ap.add_argument("--setup", default="", help="a paragraph: box, prompts, settings, command")
     ap.add_argument("--out", default="docs/results")
+    ap.add_argument("--versus", action="append", default=[], metavar="A,B",
+                    help="also report arm A's tok/s over arm B's per pass (repeatable)")
     args = ap.parse_args()
     passes = [json.loads(Path(p).read_text()) for p in args.served]
     rows = rows_from_passes(passes)
     meta = {"title": args.title, "date": time.strftime("%Y-%m-%d"), "setup": args.setup,
-            "sources": [Path(p).name for p in args.served]}
+            "sources": [Path(p).name for p in args.served],
+            "versus": [{"a": a, "b": b, "ratios": paired(passes, a, b)}
+                       for a, b in (v.split(",", 1) for v in args.versus)]}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / f"{args.name}.json").write_text(json.dumps(

@@ -32,3 +32,11 @@ def test_ratios_are_against_each_passs_own_nospec():
 def test_a_pass_without_nospec_is_refused():
     with pytest.raises(SystemExit, match="pass 1: no nospec"):
         rows_from_passes([[arm("tree", 1, 1)]])
+
+
+def test_paired_ratio_is_within_each_pass():
+    from served_report import paired
+
+    passes = [[arm("a", 30, 150), arm("b", 20, 100)], [arm("b", 10, 50), arm("a", 20, 100)],
+              [arm("a", 1, 1)]]  # b missing: skipped
+    assert paired(passes, "a", "b") == {1: [1.5, 2.0], 8: [1.5, 2.0]}
