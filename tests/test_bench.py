@@ -275,3 +275,15 @@ def test_demo_starts_from_an_empty_output_folder(tmp_path):
     (tmp_path / "file").write_text("x")
     with pytest.raises(ValueError, match="not a folder"):
         fresh_output(tmp_path / "file", force=True)
+
+
+def test_tree_arms_serve_the_suffix_tree_at_vllms_k_16(tmp_path, drafter_dir):
+    tree = make_arm("frozen+tree", target="t", prompts="p", out_dir=tmp_path, drafter=drafter_dir)
+    assert tree.num_speculative_tokens == 16 and not tree.learning
+    assert tree.onlinespec["prompt_lookup"] == {"enabled": True, "source": "suffix_tree"}
+    OnlineSpecConfig.from_any(tree.onlinespec)
+    bud = make_arm("budget+tree", target="t", prompts="p", out_dir=tmp_path, drafter=drafter_dir,
+                   num_speculative_tokens=8)
+    assert bud.num_speculative_tokens == 8 and bud.onlinespec["length_head"]["policy"] == "budget"
+    with pytest.raises(ValueError, match=r"\+tree goes with this project's DFlash arms"):
+        make_arm("ngram+tree", target="t", prompts="p", out_dir=tmp_path, drafter=drafter_dir)

@@ -14,6 +14,8 @@
     <arm>+lookup                 any of our DFlash arms with prompt lookup where the request's own
                                  text predicts what follows (config `prompt_lookup`), the drafter
                                  elsewhere: frozen+lookup, online-ogd+lookup, ...
+    <arm>+tree                   the same with the suffix tree as lookup source and K = 16 (the
+                                 drafter drafts its own block): frozen+tree, budget+tree, ...
 
 Every learning arm starts from the same drafter weights and uses the same online settings
 (`online` below), so arms differ only in what their name says. Learning arms checkpoint into
@@ -97,10 +99,22 @@ def _policy(name: str) -> dict:
 
 
 LOOKUP_SUFFIX = "+lookup"
+# <our arm>+tree: the suffix tree as the lookup source with vLLM's K = TREE_K: the drafter drafts
+# its own block, a confident tree match up to TREE_K tokens (vLLM's suffix decoding's own K);
+# docs/results/suffix_hybrid.md measured it against K = 4 and vLLM's suffix decoding.
+TREE_SUFFIX = "+tree"
+TREE_K = 16
 
 
 def _parse(name: str) -> tuple[str, dict | None]:
     """(method, onlinespec overrides or None) for an arm name."""
+    if name.endswith(TREE_SUFFIX):
+        method, over = _parse(name[: -len(TREE_SUFFIX)])
+        if over is None:
+            raise ValueError(f"arm {name!r}: {TREE_SUFFIX} goes with this project's DFlash arms "
+                             f"(frozen, online-<algorithm>, shadow, a policy), not "
+                             f"{name[: -len(TREE_SUFFIX)]!r}")
+        return method, {**over, "prompt_lookup": {"enabled": True, "source": "suffix_tree"}}
     if name.endswith(LOOKUP_SUFFIX):
         method, over = _parse(name[: -len(LOOKUP_SUFFIX)])
         if over is None:  # only our worker runs the hybrid (vLLM's own arms have no hook)
@@ -127,7 +141,7 @@ def _parse(name: str) -> tuple[str, dict | None]:
     raise ValueError(f"unknown arm {name!r}; known: nospec, ngram, vllm-dflash, vllm-dynamic, "
                      "frozen, shadow, "
                      + ", ".join(f"online-{a}" for a in ALGORITHMS) + ", "
-                     + ", ".join(POLICIES) + ", frozen-<policy>, and <our arm>+lookup")
+                     + ", ".join(POLICIES) + ", frozen-<policy>, and <our arm>+lookup or +tree")
 
 
 def merge_sections(base: dict, over: dict) -> dict:
@@ -179,7 +193,8 @@ def make_arm(name: str, *, target: str, prompts: str, out_dir: str | Path,
     if method != "none":
         if drafter is None and method == "dflash":
             raise ValueError(f"arm {name!r} needs a drafter (--drafter or training)")
-        k = num_speculative_tokens or (drafter_k(drafter) if drafter else 4)
+        tree = (over or {}).get("prompt_lookup", {}).get("source") == "suffix_tree"
+        k = num_speculative_tokens or (TREE_K if tree else drafter_k(drafter) if drafter else 4)
     onlinespec = None
     if over is not None:
         base = online if online is not None else DEFAULT_ONLINE
