@@ -287,3 +287,10 @@ def test_tree_arms_serve_the_suffix_tree_at_vllms_k_16(tmp_path, drafter_dir):
     assert bud.num_speculative_tokens == 8 and bud.onlinespec["length_head"]["policy"] == "budget"
     with pytest.raises(ValueError, match=r"\+tree goes with this project's DFlash arms"):
         make_arm("ngram+tree", target="t", prompts="p", out_dir=tmp_path, drafter=drafter_dir)
+
+
+def test_k0_arm_drafts_nothing(tmp_path, drafter_dir):
+    k0 = make_arm("k0", target="t", prompts="p", out_dir=tmp_path, drafter=drafter_dir)
+    cfg = OnlineSpecConfig.from_any(k0.onlinespec)
+    assert cfg.features.plain and not cfg.enabled and k0.num_speculative_tokens == 7
+    assert cfg.length_head.k0_step == "context_only"

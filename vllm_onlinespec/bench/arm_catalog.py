@@ -6,6 +6,8 @@
     vllm-dynamic                 the same with vLLM's per-batch-size K (`k_per_batch_size`, a list
                                  of [first_bs, last_bs, K] applied by vLLM's scheduler; K >= 0)
     frozen                       our DFlash drafter, onlinespec enabled=false (start weights only)
+    k0                           our worker drafting nothing in every step (context-only K = 0):
+                                 the price of the plugin and drafter with no speculation
     online-<algorithm>           learning on: ogd | optimistic | optimistic_momentum | ensemble
     shadow                       the ogd learner runs but never publishes: serving keeps the start
                                  weights, so shadow vs frozen is the learner's cost to serving
@@ -130,6 +132,8 @@ def _parse(name: str) -> tuple[str, dict | None]:
         return "dflash", None
     if name == "frozen":
         return "dflash", {"enabled": False}
+    if name == "k0":  # the floor: every step drafts nothing (the drafter's context K/V only)
+        return "dflash", {"enabled": False, "features": {"plain": True}}
     if name == "shadow":
         return "dflash", {"algorithm": "ogd", "publish": {"every_n_updates": NEVER}}
     if name.startswith("online-") and name[7:] in ALGORITHMS:
@@ -139,7 +143,7 @@ def _parse(name: str) -> tuple[str, dict | None]:
     if name.startswith("frozen-") and name[7:] in POLICIES:
         return "dflash", {"enabled": False, "length_head": _policy(name[7:])}
     raise ValueError(f"unknown arm {name!r}; known: nospec, ngram, vllm-dflash, vllm-dynamic, "
-                     "frozen, shadow, "
+                     "frozen, k0, shadow, "
                      + ", ".join(f"online-{a}" for a in ALGORITHMS) + ", "
                      + ", ".join(POLICIES) + ", frozen-<policy>, and <our arm>+lookup or +tree")
 
