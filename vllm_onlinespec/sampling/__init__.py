@@ -1,0 +1,1 @@
+"""Sampling rules of the verify stage that do not depend on the drafts (sampling/invariant.py)."""
