@@ -313,10 +313,13 @@ def test_demo_serves_frozen_and_online_with_the_same_recipe(tmp_path):
     _, specs = demo_arms(PLANS["quick"], "t", tmp_path / "s.jsonl", tmp_path, drafter)
     by = {s.name: s.onlinespec for s in specs}
     assert by["nospec"] is None
+    k = {s.name: s.num_speculative_tokens for s in specs}
     for name in ("frozen", "online-ogd"):
         cfg = OnlineSpecConfig.from_any(by[name])
         assert cfg.prompt_lookup.enabled and cfg.length_head.policy == "budget"
         assert cfg.length_head.k_min == 0
+        # the recommended hybrid: the suffix tree drafts up to 16, the drafter its own 4
+        assert cfg.prompt_lookup.source == "suffix_tree" and k[name] == 16
     assert OnlineSpecConfig.from_any(by["frozen"]).enabled is False
     with pytest.raises(ConfigError, match=r"recent_max_n \(2\) must be >= recent_min_n \(3\)"):
         OnlineSpecConfig.from_any({"prompt_lookup": {"recent_min_n": 3, "recent_max_n": 2}})

@@ -74,8 +74,12 @@ DEFAULT_ONLINE: dict = {
 # frozen 0.66-0.76x nospec, +lookup 0.73-0.86x, budget+lookup 0.87x (docs/results/lookup_probe.md).
 # Lookup also searches finished requests' text by default (prompt_lookup.recent_tokens): frozen
 # 1.88 vs 1.77 tokens per step on the shifted stream (docs/results/serving_recent_lookup.md).
+# The suffix tree replaced vLLM's ngram rule as the lookup source, at vLLM's K = 16 (the drafter
+# drafts its own block of 4; TREE_K): on 80 unseen prompts, three passes, 1.01x / 1.21x the
+# ngram recipe's tok/s at batch 1 / 8 and 1.02x / 1.07x vLLM's own suffix decoding
+# (docs/results/suffix_hybrid.md).
 SERVING_RECIPE: dict = {"length_head": {"policy": "budget", "k_min": 0},
-                        "prompt_lookup": {"enabled": True}}
+                        "prompt_lookup": {"enabled": True, "source": "suffix_tree"}}
 
 
 def drafter_k(drafter: str | Path) -> int:
@@ -193,12 +197,6 @@ def make_arm(name: str, *, target: str, prompts: str, out_dir: str | Path,
                          f"k_per_batch_size={k_per_batch_size!r}")
     if k_per_batch_size is not None:
         _check_k_table(k_per_batch_size)
-    k = 0
-    if method != "none":
-        if drafter is None and method == "dflash":
-            raise ValueError(f"arm {name!r} needs a drafter (--drafter or training)")
-        tree = (over or {}).get("prompt_lookup", {}).get("source") == "suffix_tree"
-        k = num_speculative_tokens or (TREE_K if tree else drafter_k(drafter) if drafter else 4)
     onlinespec = None
     if over is not None:
         base = online if online is not None else DEFAULT_ONLINE
@@ -206,6 +204,13 @@ def make_arm(name: str, *, target: str, prompts: str, out_dir: str | Path,
             {k2: v for k2, v in base.items() if k2 in ("length_head", "prompt_lookup")}, over)
         if onlinespec.get("enabled", True) and "dir" not in onlinespec.get("checkpoint", {}):
             onlinespec.setdefault("checkpoint", {})["dir"] = str(checkpoint_dir(out_dir, name))
+    k = 0
+    if method != "none":
+        if drafter is None and method == "dflash":
+            raise ValueError(f"arm {name!r} needs a drafter (--drafter or training)")
+        lookup = (onlinespec or {}).get("prompt_lookup", {})
+        tree = lookup.get("enabled") and lookup.get("source") == "suffix_tree"
+        k = num_speculative_tokens or (TREE_K if tree else drafter_k(drafter) if drafter else 4)
     return ArmSpec(name=name, target=target, prompts=str(prompts),
                    out=str(Path(out_dir) / "arms" / f"{name}.json"), method=method,
                    drafter=drafter if method == "dflash" else None,
