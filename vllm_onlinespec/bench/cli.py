@@ -128,7 +128,8 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     a("--drafter", help="start from this DFlash drafter folder instead of training one")
     a("--train-args", default="", help="extra `vllm-onlinespec train` flags, one string")
     a("--target", default="smollm2-135m", help="known model name or HF folder")
-    a("--num-spec-tokens", type=int, help="K (default: the drafter's block_size - 1)")
+    a("--num-spec-tokens", type=int, help="K (default: the drafter's block_size - 1; 16 where "
+      "the arm's settings turn the suffix tree on)")
     a("--num-prompts", type=int, default=96, help="prompts in the stream (default 96)")
     a("--wave", type=int, default=4, help="prompts served together per wave (default 4)")
     a("--max-tokens", type=int, default=128, help="answer length cap (default 128)")
