@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import pytest
 
-from test_online import (PROMPTS, assert_lossless, greedy_reference, online_cfg,  # noqa: F401
-                         run_pass, wait_learned)
+from test_online import (MAX_TOKENS, PROMPTS, assert_lossless, greedy_reference,  # noqa: F401
+                         online_cfg, run_pass, wait_learned)
 from test_worker_parity import K, make_drafter
 
 pytestmark = pytest.mark.vllm
@@ -16,7 +16,7 @@ pytestmark = pytest.mark.vllm
 
 @pytest.fixture(scope="module")
 def served(smollm2_path, tmp_path_factory, greedy_reference):  # noqa: F811
-    from vllm import LLM
+    from vllm import LLM, SamplingParams
 
     from vllm_onlinespec.engine import engine_kwargs
 
@@ -35,14 +35,19 @@ def served(smollm2_path, tmp_path_factory, greedy_reference):  # noqa: F811
         for _ in range(3):  # the tree sees the earlier passes' answers: later passes draft more
             passes.append(run_pass(llm))
             st = wait_learned(llm)
+        # Alone, a prompt whose answer the tree has seen: the tree drafts it in most steps.
+        again = llm.chat([[{"role": "user", "content": PROMPTS[0]}]],
+                         SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS), use_tqdm=False)
+        st = wait_learned(llm)
     finally:
         llm.llm_engine.engine_core.shutdown()
-    return {"passes": passes, "stats": st}
+    return {"passes": passes, "stats": st, "again": again}
 
 
 def test_recipe_learns_losslessly_with_tree_drafts_past_the_block(served, greedy_reference):  # noqa: F811
     for outs, _ in served["passes"]:
         assert_lossless(outs, greedy_reference)
+    assert list(served["again"][0].outputs[0].token_ids) == greedy_reference[PROMPTS[0]]
     st = served["stats"]
     assert st.hook_errors == 0, st.hooks
     assert st.learner.updates > 0 and st.learner.errors == 0 and st.published_version > 0, st
