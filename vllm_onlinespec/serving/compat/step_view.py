@@ -124,12 +124,9 @@ def tokens_before_bookkeeping(runner: Any, req_ids: list[str], sampled: Any) -> 
     import numpy as np
     import torch
 
-    ib = runner.input_batch
     rows = sampled.tolist() if isinstance(sampled, torch.Tensor) else sampled
     out = []
-    for i, r in enumerate(req_ids):
-        row = ib.req_id_to_index[r]
-        old = ib.token_ids_cpu[row, : int(ib.num_tokens_no_spec[row])]
+    for i, old in enumerate(request_tokens(runner, req_ids)):
         new = [t for t in (rows[i] if i < len(rows) else []) if t >= 0]
         out.append(np.concatenate([old, np.asarray(new, dtype=old.dtype)]) if new else old)
     return out
