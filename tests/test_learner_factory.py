@@ -191,3 +191,35 @@ def test_a_good_checkpoint_resumes_silently(tmp_path, caplog):
         r = resume_or_fresh(lr, tmp_path / "ck")
     assert r.path == p and not [x for x in caplog.records if x.levelno >= logging.WARNING]
     assert resume_or_fresh(lr, tmp_path / "empty").path is None  # nothing there: no warning
+
+
+def test_gain_pacing_scores_batches_against_the_frozen_start_weights(tmp_path):
+    """share_control 'gain': every score_every-th update also scores the batch with the frozen
+    start weights; the first score is a gain of exactly 0 (nothing trained yet), the scores
+    reach the duty cycle and its share, and the reference weights stay frozen."""
+    K = 3
+    path = write_drafter(tmp_path / "d", block_size=4)
+    parts = build_learner(cfg(lr=1e-2, pacing={"score_every": 1, "learner_cpu_share": 0.5,
+                                                "min_cpu_share": 0.1}),
+                          path, *targets(), K, train_length_head=False)
+    lr = parts.learner
+    assert lr.duty is not None and lr.share == 0.5
+    assert parts.footprint.reference > 0
+    seen = []
+    score = lr.duty.observe
+    lr.duty.observe = lambda s: (seen.append(s), score(s))[1]
+    for i in range(6):
+        feed(parts.buffer, K, steps=4)
+        assert lr.sync_step() == "updated"
+    assert len(seen) == 6 and seen[0].gain == pytest.approx(0.0, abs=1e-6)
+    assert any(abs(s.gain) > 0 for s in seen[1:])  # the trained weights moved, the frozen did not
+    st = lr.stats()
+    assert st["gain_scores"] == 6 and st["score_errors"] == 0 and "share" in st
+    fixed = build_learner(cfg(pacing={"share_control": "fixed"}), path, *targets(), K,
+                          train_length_head=False)
+    assert fixed.learner.duty is None and fixed.footprint.reference == 0
+
+
+def test_min_share_above_the_share_is_one_line():
+    with pytest.raises(Exception, match="min_cpu_share 0.6 exceeds learner_cpu_share 0.5"):
+        cfg(pacing={"min_cpu_share": 0.6, "learner_cpu_share": 0.5})

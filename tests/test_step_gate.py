@@ -204,3 +204,69 @@ def test_short_drafts_are_allocated_within_their_length():
     stats = c.policy.stats
     out = c.cut([[5, 6], [7, 8]], ["a", "b"])
     assert out == [[5, 6], [7, 8]] and c.policy.stats is stats and stats.K == K
+
+
+def _drive(gate, st, B, t_target, t_draft, extra_drafted, steps):
+    """Run the gate for `steps` engine cycles on synthetic timings: the target and drafter
+    spans are what the gate measures; drafted cycles also cost `extra_drafted` seconds that no
+    span sees (the sampler, bookkeeping). Returns the k the gate chose at each step."""
+    ks, prev_k = [], 0
+    for _ in range(steps):
+        d = gate.decide(st, batch_size=B, base_tokens=B)
+        verified = prev_k > 0
+        tokens = B + B * prev_k
+        t = t_target(tokens)
+        gate.cost_model.observe(tokens, t)
+        gate.timer.observe(d.k, t_draft if d.k else 0.0005)
+        drafted = d.k > 0 or verified
+        gate.observe_cycle(d.k, B, tokens, t + (t_draft if d.k else 0.0005)
+                           + (extra_drafted if drafted else 0.0), verified=verified)
+        prev_k = d.k
+        ks.append(d.k)
+    return ks
+
+
+def test_measured_cycle_overhead_shuts_the_gate_when_drafted_steps_are_slower_and_follows_a_change():
+    """The model alone says speculating pays (acceptance ~0.6, cheap verify tokens); drafted
+    engine cycles are measured 30 ms slower than their spans. The gate shuts on the measured
+    price, then reopens within a few explore steps once that overhead goes away."""
+    st = stats_with_rate(0.6)
+    lin = lambda n: 0.02 + 2e-4 * n  # noqa: E731 - the true target span
+    gate = StepGate(K, StepCostModel(a=0.02, b=2e-4, half_life=None, prior_weight=1e6),
+                    explore_every=8)
+    assert gate.decide(st, 4, 4).k > 0  # the model alone: speculate
+    ks = _drive(gate, st, 4, lin, 0.004, extra_drafted=0.030, steps=200)
+    assert ks[-40:].count(0) >= 30, ks[-40:]  # shut, bar exploration
+    assert "measured step overhead" in gate.last.reason
+    assert gate.overhead.get(True, 4) > 0.02 > abs(gate.overhead.get(False, 4))
+    ks = _drive(gate, st, 4, lin, 0.004, extra_drafted=0.0, steps=200)
+    assert sum(k > 0 for k in ks[-40:]) >= 35, ks[-40:]  # the explore steps saw the change
+
+
+def test_measured_cycle_overhead_keeps_the_gate_open_when_drafted_steps_are_faster():
+    """The reverse: the model prices drafting as not paying (slow verify tokens), but plain
+    cycles carry 40 ms the spans miss, so measured drafted steps win and the gate opens."""
+    st = stats_with_rate(0.6)
+    lin = lambda n: 0.02 + 6e-3 * n  # noqa: E731
+    gate = StepGate(K, StepCostModel(a=0.02, b=6e-3, half_life=None, prior_weight=1e6),
+                    explore_every=8)
+    gate.timer.observe(0, 0.0005)
+    ks = _drive(gate, st, 4, lin, 0.004, extra_drafted=0.0, steps=100)
+    assert ks[-40:].count(0) >= 30  # without the plain overhead: shut
+    for _ in range(100):  # plain cycles now cost 40 ms more than their spans
+        gate.observe_cycle(0, 4, 4, lin(4) + 0.0005 + 0.040, verified=False)
+    assert gate.decide(st, 4, 4).k > 0, gate.last.reason
+
+
+def test_cycle_overhead_clips_idle_gaps_and_buckets_batch_sizes():
+    from vllm_onlinespec.policy.cycle_overhead import CycleOverhead, batch_bucket
+
+    assert [batch_bucket(b) for b in (1, 2, 3, 4, 5, 8, 9)] == [1, 2, 4, 4, 8, 8, 16]
+    o = CycleOverhead(half_life_steps=1e9)
+    o.observe(True, 8, measured_s=100.0, modelled_s=0.05)  # an idle gap before a burst
+    assert o.get(True, 8) == pytest.approx(0.05)  # clipped at the modelled step
+    o.observe(False, 1, 0.012, 0.010)
+    assert o.get(False, 1) == pytest.approx(0.002)
+    assert o.get(False, 32) == pytest.approx(0.002)  # nearest measured bucket of its kind
+    assert o.get(True, 1) == pytest.approx(0.05)
+    assert CycleOverhead().get(True, 4) == 0.0  # nothing measured: the model alone

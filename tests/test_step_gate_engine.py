@@ -127,6 +127,9 @@ def test_switching_between_k0_and_drafting_is_lossless(served, hf_target):
     # steps below K (shut, or the gate's shorter drafts) and full exploring drafts both ran
     assert c.gate_shut_steps + c.gate_short_steps > 0 and c.gate_explore_steps > 0, c
     assert served["stats"].hook_errors == 0, served["stats"].hooks
+    # whole engine cycles were timed for both kinds of step the gate compares
+    assert any(k.startswith("drafted@") for k in c.gate_overhead_s), c.gate_overhead_s
+    assert any(k.startswith("k0@") for k in c.gate_overhead_s), c.gate_overhead_s
     assert served["stats"].lookup_rows > 0 and served["stats"].lookup_accepted > 0
     assert_greedy_equal(served["outs"], hf_target, MAX_TOKENS)
 

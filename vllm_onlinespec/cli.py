@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+VARIANT_STEPS = 160  # the shipped terse-steps adapter's optimizer steps
+
 
 def _model(args: argparse.Namespace) -> int:
     from vllm_onlinespec import models
@@ -27,6 +29,23 @@ def _chat(args: argparse.Namespace) -> int:
     return run_chat(args)
 
 
+def _variant(args: argparse.Namespace) -> int:
+    """Fine-tune the base model into the terse-steps variant; write its LoRA adapter."""
+    import os
+
+    import torch
+
+    from vllm_onlinespec import models
+    from vllm_onlinespec.training.variant import VariantRecipe, describe, make_variant
+
+    torch.set_num_threads(args.threads or os.cpu_count() or 1)
+    recipe = VariantRecipe(steps=args.steps, r=args.rank, seed=args.seed)
+    out = make_variant(models.pull(args.base), args.out, recipe, base_name=args.base,
+                       cache_dir=models.cache_dir() / "generations")
+    print(f"adapter: {out} ({describe(out)})")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="vllm-onlinespec", description=__doc__)
     sub = p.add_subparsers(dest="verb", required=True)
@@ -37,6 +56,16 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("name", nargs="?", default="smollm2-135m")
     m.add_argument("--force", action="store_true", help="rebuild even if a valid folder exists")
     m.set_defaults(func=_model)
+
+    v = sub.add_parser("variant", help="fine-tune the base model into the terse-steps variant "
+                                       "(a changed target for the drafter; writes a LoRA adapter)")
+    v.add_argument("--base", default="smollm2-135m", help="known base model")
+    v.add_argument("--out", required=True, help="adapter folder to write (PEFT format)")
+    v.add_argument("--steps", type=int, default=VARIANT_STEPS, help="optimizer steps")
+    v.add_argument("--rank", type=int, default=8, help="LoRA rank")
+    v.add_argument("--seed", type=int, default=0)
+    v.add_argument("--threads", type=int, default=0, help="torch threads (0: every core)")
+    v.set_defaults(func=_variant)
 
     from vllm_onlinespec.serving_dtype import resolve_dtype_arg
 

@@ -270,11 +270,29 @@ class PacingConfig(_Section):
     learner_cpu_share: float = Field(
         0.5, gt=0.0, le=1.0, description="fraction of wall time the learner may be busy, in "
         "(0, 1]; enforced by sleeping after each update in proportion to its duration")
+    share_control: Literal["gain", "fixed"] = Field(
+        "gain", description="'gain': the learner's share of wall time follows what learning "
+        "buys (learner/duty_cycle.py): learner_cpu_share while the drafter's gain over its "
+        "frozen start weights rises or its acceptance drops (a changed target), "
+        "min_cpu_share while flat; 'fixed': always learner_cpu_share")
+    min_cpu_share: float = Field(
+        0.05, gt=0.0, le=1.0, description="fraction of wall time the learner keeps when "
+        "learning buys nothing (share_control 'gain'; <= learner_cpu_share)")
+    score_every: int = Field(
+        4, ge=1, description="updates between two gain scores (share_control 'gain'): each "
+        "score is one extra no-gradient forward of the frozen start weights on the batch")
     learner_priority: Literal["idle", "low", "normal"] = Field(
         "normal", description="scheduling priority of the learner thread: 'idle' (SCHED_IDLE: "
         "it runs only on CPU time serving leaves, a waking engine thread preempts it at once), "
         "'low' (nice 19) or 'normal'. On a CPU box the learner shares its cores with vLLM's "
         "engine core and front end, which every step waits on (learner/cores.py)")
+
+    @model_validator(mode="after")
+    def _min_below_max(self) -> "PacingConfig":
+        if self.min_cpu_share > self.learner_cpu_share:
+            raise ValueError(f"min_cpu_share {self.min_cpu_share} exceeds learner_cpu_share "
+                             f"{self.learner_cpu_share}")
+        return self
 
 
 # Old flat keys of the root -> (section, key) they moved to. Still accepted; error messages

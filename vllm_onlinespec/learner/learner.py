@@ -53,6 +53,7 @@ from .algorithms import (HedgeEnsemble, NonFiniteUpdate, OnlineAlgorithm, all_fi
                          make_algorithm)
 from .buffer import FeedbackBuffer
 from .device import Snapshot, normalize_device, on_stream, stream_for
+from .duty_cycle import DutyCycle, GainScore
 from .timing import Timer
 
 log = logging.getLogger(__name__)
@@ -75,7 +76,8 @@ class OnlineLearner:
                  save_model: Callable[[Path], None] | None = None,
                  idle_poll_s: float = 0.02, log_every: int = 100,
                  name: str = "onlinespec-learner", holdback: int | None = None,
-                 snapshot_device: torch.device | str | None = None) -> None:
+                 snapshot_device: torch.device | str | None = None,
+                 reference: Callable[[Any], Mapping[str, float]] | None = None) -> None:
         """
         snapshot_device: where published snapshots live; default the parameters' own device
             (a device-to-device copy: no host round trip when the learner shares vLLM's GPU).
@@ -88,6 +90,9 @@ class OnlineLearner:
         save_model(dir): optional extra writer called on checkpoints with an empty directory
             (`<checkpoint>/model/`), e.g. the HF DFlash writer so checkpoints load in vLLM. It
             runs in the learner thread between updates, so it sees consistent weights.
+        reference(batch) -> stats: the loss function's statistics of the frozen start weights
+            on a batch (no gradients). With pacing.share_control 'gain' it scores every
+            score_every-th batch and the learner's share follows the gain (learner/duty_cycle.py).
         """
         self.cfg = OnlineSpecConfig.from_any(cfg)
         self.model = model
@@ -119,6 +124,11 @@ class OnlineLearner:
         self.idle_poll_s = idle_poll_s
         self.log_every = max(1, log_every)
         self.name = name
+        self.reference = reference
+        p = self.cfg.pacing
+        self.duty = (DutyCycle(p.min_cpu_share, p.learner_cpu_share)
+                     if reference is not None and p.share_control == "gain" else None)
+        self.score_errors = 0
 
         # Held for a whole update and for checkpoint save/load: one writer of the model at a time.
         self._model_lock = threading.RLock()
@@ -221,7 +231,7 @@ class OnlineLearner:
                 self._wake.wait(self.idle_poll_s)
                 self._wake.clear()
                 continue
-            pause = max(busy * (1.0 / cfg.learner_cpu_share - 1.0), min_gap - busy)
+            pause = max(busy * (1.0 / self.share - 1.0), min_gap - busy)
             if status != "updated":  # a failure that repeats instantly must not spin the CPU
                 pause = max(pause, self.idle_poll_s)
             if pause > 0:
@@ -260,6 +270,8 @@ class OnlineLearner:
         except Exception as e:
             self._count_failure("errors", "update", e)
             return "error"
+        if self.duty is not None and self.updates % self.cfg.pacing.score_every == 0:
+            self._score_gain(batch)  # before the clock stops: the score is the learner's time
         dt = time.perf_counter() - t0
         self.busy_s += dt  # wall time: what the duty cycle (learner_cpu_share) is about
         self.updates += 1
@@ -274,6 +286,22 @@ class OnlineLearner:
             if c.dir and self.version % c.every_n_versions == 0:
                 self._checkpoint_safely(c.dir)
         return "updated"
+
+    @property
+    def share(self) -> float:
+        """Fraction of wall time the learner may be busy now."""
+        return self.duty.share if self.duty is not None else self.cfg.learner_cpu_share
+
+    def _score_gain(self, batch: Any) -> None:
+        """The frozen start weights on the batch just trained on, against the current weights'
+        statistics from the same forward (taken before the update): one gain score."""
+        try:
+            with torch.no_grad():
+                ref = self.reference(batch)
+            self.duty.observe(GainScore(self.updates, float(self.last_stats["accepted"]),
+                                        float(ref["accepted"])))
+        except Exception as e:  # noqa: BLE001 - pacing must never stop learning
+            self._count_failure("score_errors", "gain score", e)
 
     def _loss_and_grads(self, batch: Any) -> tuple[float, list[torch.Tensor | None]]:
         loss, stats = self.loss_fn(self.model, batch)
@@ -420,7 +448,11 @@ class OnlineLearner:
             "loss_ema": self.loss_ema, "update_ms": self.update_ms,
             "update_ms_ema": self.update_ms_ema, "snapshot_ms": self.snapshot_ms,
             "device": str(self.device), "grad_norm": self.grad_norm,
-            "busy_s": self.busy_s, "running": self.running, "last_error": self.last_error}
+            "busy_s": self.busy_s, "running": self.running, "last_error": self.last_error,
+            "share": self.share}
+        if self.duty is not None:
+            s.update(gain_scores=self.duty.n, share_reason=self.duty.reason,
+                     score_errors=self.score_errors)
         if isinstance(self.buffer, FeedbackBuffer):
             # What the default ready gate compares with min_new_tokens_per_update (held-back
             # tokens excluded); caught_up: below it, no update runs until more feedback comes.

@@ -33,11 +33,12 @@ class LearnerFootprint:
     snapshots: int  # two published snapshots: one being read by serving, one being written
     step_transient: int  # tensors a step allocates anew (rebound slots), old and new together
     loss_logits: int  # the loss's [batch rows, vocab] logits at its peak
+    reference: int = 0  # frozen start weights the gain score compares with (pacing 'gain')
 
     @property
     def steady(self) -> int:
         """Held between updates."""
-        return self.weights + self.optimizer + self.snapshots
+        return self.weights + self.optimizer + self.snapshots + self.reference
 
     @property
     def peak(self) -> int:
@@ -62,7 +63,8 @@ def tensor_bytes(tensors: Sequence[torch.Tensor]) -> int:
 
 
 def learner_footprint(params: Sequence[torch.Tensor], algo, *, rows: int, vocab: int,
-                      snapshot_dtype: torch.dtype | None = None) -> LearnerFootprint:
+                      snapshot_dtype: torch.dtype | None = None,
+                      reference: Sequence[torch.Tensor] = ()) -> LearnerFootprint:
     """The footprint of a learner whose rule `algo` already reserved its state. rows: draft
     rows per update (blocks x K); vocab: the loss's vocabulary (the served draft vocabulary or
     the target's)."""
@@ -73,7 +75,7 @@ def learner_footprint(params: Sequence[torch.Tensor], algo, *, rows: int, vocab:
     return LearnerFootprint(
         weights=weights, optimizer=tensor_bytes(algo.held_tensors()), grads=weights,
         snapshots=2 * elems * snap_item, step_transient=algo.transient_slots() * weights,
-        loss_logits=LOSS_LOGIT_COPIES * rows * vocab * 4)
+        loss_logits=LOSS_LOGIT_COPIES * rows * vocab * 4, reference=tensor_bytes(reference))
 
 
 def check_fits(fp: LearnerFootprint, device: torch.device, utilization: float) -> None:

@@ -234,7 +234,8 @@ def _as_numpy(p: Any) -> np.ndarray:
 
 def plan(p_accept: Any, base_tokens: int, cost_model: StepCostModel, *,
          k_min: int | Sequence[int] = 1, K: int | None = None, base_yield: float | None = None,
-         value_per_token_s: float | None = None, cost_scale: float = 1.0) -> Allocation:
+         value_per_token_s: float | None = None, cost_scale: float = 1.0,
+         extra_s: float = 0.0) -> Allocation:
     """Choose how many of each request's K draft tokens to verify in the next step.
 
     p_accept [B, K]: p[i, k] = P(draft token k of request i is accepted | tokens < k were).
@@ -242,6 +243,8 @@ def plan(p_accept: Any, base_tokens: int, cost_model: StepCostModel, *,
     base_yield: tokens the step yields for sure (default B: each request's bonus/corrected token).
     k_min: per-request floor (int or one per request; clamped to K). cost_scale (config `rho`)
     multiplies the time drafts add; > 1 cuts harder (costs the model does not see, e.g. KV).
+    extra_s: seconds the step costs besides the target's forward whatever is verified (the
+    drafter's forward, measured overhead): it dilutes each token's cost, so more pays.
 
     Value model. Request i's token k is accepted with probability g[i, k] = prod_{j<=k} p[i, j]
     (drafts are accepted as a prefix), so verifying it adds g[i, k] expected tokens; the step
@@ -291,7 +294,7 @@ def plan(p_accept: Any, base_tokens: int, cost_model: StepCostModel, *,
     m_all = np.arange(len(S), dtype=np.float64)
     t_base = cost_model.predict(float(base_tokens))
     added = cost_model.predict(base_tokens + n_forced + m_all) - t_base
-    T = np.maximum(t_base + cost_scale * added, 1e-12)
+    T = np.maximum(t_base + extra_s + cost_scale * added, 1e-12)
     if value_per_token_s is None:
         score = (e0 + S) / T
     else:

@@ -120,6 +120,12 @@ class DraftCutter:
         if self.gate is not None:
             self.gate.timer.observe(k, seconds)
 
+    def observe_cycle(self, k: int, batch_size: int, tokens: int, seconds: float, *,
+                      verified: bool = False) -> None:
+        """A whole engine cycle's wall time (policy/cycle_overhead.py)."""
+        if self.gate is not None:
+            self.gate.observe_cycle(k, batch_size, tokens, seconds, verified=verified)
+
     def observe_hidden(self, hidden: torch.Tensor) -> None:
         if self.head is not None:
             self._hidden = hidden

@@ -9,12 +9,14 @@ see no hole). When only the first few draft tokens pay, the same path drafts k <
 forward (k + 1 query tokens per request) and nothing drafted that nobody verifies. The gate
 compares, for the next step and every k in 1..K,
 
-    speculating at k:  E_spec(k) / (t(base + verified drafts) + t_draft(k))  (budget.plan over
-                                                                             the first k positions)
-    plain:             B / (t(base) + t_draft(0))
+    speculating at k:  E_spec(k) / (t(base + verified drafts) + t_draft(k) + o_drafted(B))
+                       (budget.plan over the first k positions)
+    plain:             B / (t(base) + t_draft(0) + o_plain(B))
 
 with the population's per-position acceptance (only verified drafts update it), the target's
-measured cost model and the drafter's measured time per k, and takes the best. The gate also
+measured cost model, the drafter's measured time per k and each kind of step's measured
+overhead o beyond those two spans (whole engine cycles timed, policy/cycle_overhead.py), and
+takes the best. The gate also
 stays shut while the cuts of recent drafted steps verified (almost) nothing: a trusted length
 head may cut every draft the population estimate would still verify. Exploration keeps the
 acceptance estimate current while the gate drafts fewer than K (or none): every
@@ -31,6 +33,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from vllm_onlinespec.policy.budget import StepCostModel, plan
+from vllm_onlinespec.policy.cycle_overhead import CycleOverhead
 from vllm_onlinespec.policy.verify_length import AcceptanceStats
 
 
@@ -85,6 +88,9 @@ class StepGate:
         self.explore_every, self.explore_requests = explore_every, explore_requests
         self.min_obs, self.rho = min_obs, rho
         self.timer = DraftTimer()
+        # Whole engine cycles measured against the two modelled spans: the rest of a step
+        # (sampler, bookkeeping, hooks) priced per kind of step (policy/cycle_overhead.py).
+        self.overhead = CycleOverhead()
         # What the cut of recent drafted steps verified per request. The population estimate
         # only moves on verified drafts: once a trusted length head cuts every draft to 0, it
         # stops moving and would keep the gate open for drafts nobody verifies.
@@ -110,18 +116,24 @@ class StepGate:
         # The best draft length: DFlash drafts one block shape per batch, so k is the batch's;
         # each k's verify plan is the budget's exact allocation over the first k positions.
         best_k, rate_spec, best, floor_s = 0, 0.0, None, 0.0
+        over_spec, over_plain = self.overhead.get(True, B), self.overhead.get(False, B)
         for k in range(1, self.K + 1):
-            a = plan(p[:, :k], base, self.cost_model, k_min=0, K=k, cost_scale=1.0 / self.rho)
-            floor_s = a.min_step_s  # the step with no draft verified: the same for every k
-            rate = a.expected_tokens / (a.step_s + self.timer.get(k, self.K)) if a.tokens else 0.0
+            extra = self.timer.get(k, self.K) + over_spec
+            a = plan(p[:, :k], base, self.cost_model, k_min=0, K=k, cost_scale=1.0 / self.rho,
+                     extra_s=extra)
+            floor_s = a.min_step_s - extra  # the target step with no draft verified
+            rate = a.expected_tokens / a.step_s if a.tokens else 0.0
             if rate > rate_spec:
                 best_k, rate_spec, best = k, rate, a
         t_plain_draft = self.timer.get(0, self.K)
-        rate_plain = B / (floor_s + t_plain_draft)
+        rate_plain = B / max(floor_s + t_plain_draft + over_plain, 1e-9)
         numbers = (f"spec {rate_spec:.0f} tok/s at k={best_k} ("
                    f"{best.tokens if best else 0} verify tokens, drafter "
                    f"{self.timer.get(best_k, self.K) * 1e3:.1f} ms) vs plain {rate_plain:.0f} "
                    f"tok/s (drafter at k=0 {t_plain_draft * 1e3:.1f} ms)")
+        if self.overhead.ema:
+            numbers += (f", measured step overhead {over_spec * 1e3:+.1f} ms drafted / "
+                        f"{over_plain * 1e3:+.1f} ms plain")
         cut_away = self.verify_ema is not None and self.verify_ema < MIN_VERIFY_PER_REQUEST
         if cut_away:
             numbers = (f"the length head cut recent drafts to {self.verify_ema:.2f} verify "
@@ -142,6 +154,15 @@ class StepGate:
             return self._set(GateDecision(best_k, False, f"gate: open at k={best_k}, {numbers}"))
         self.shut_steps += 1
         return self._set(GateDecision(0, False, f"gate: shut, {numbers}"))
+
+    def observe_cycle(self, k: int, batch_size: int, target_tokens: int, seconds: float, *,
+                      verified: bool = False) -> None:
+        """One whole engine cycle (execute_model start to the next) that ran the target on
+        `target_tokens` tokens and drafted k per request: what it cost beyond the model. It
+        counts as a drafted cycle if it drafted or verified drafts: the sampler and bookkeeping
+        work of a draft lands in the cycle after the one that drafted it."""
+        modelled = self.cost_model.predict(float(target_tokens)) + self.timer.get(k, self.K)
+        self.overhead.observe(k > 0 or verified, batch_size, seconds, modelled)
 
     def observe_cut(self, verify_per_request: float) -> None:
         """After a drafted step's cut: the verify tokens per request the policy chose on its

@@ -2,7 +2,8 @@
 
   load_model        drafter loads with plain weights (republishable); its K = 0 step made
                     context-only; the online session starts
-  execute_model     timed (step profile, the budget's step cost)
+  execute_model     timed (step profile, the budget's step cost); each start closes the previous
+                    engine cycle, whose wall time the gate compares with its model
   _sample           remembers the rejection sampler's output (accepted lengths); the oracle
   propose_draft_token_ids   the budget's step gate (draft K, fewer, or vLLM's K = 0 drafter path); timed
   sample_tokens     before: a view of the target step (on GPU its features copied, before vLLM's
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass
 from typing import Any
 
 from vllm_onlinespec.serving import compat
@@ -36,6 +38,7 @@ class OnlineSpecRunnerMixin:
     _onlinespec_sampled: Any = None
     _onlinespec_span: Any = None  # this step's target span (serving/step_timer.py)
     _onlinespec_tokens: int = 0
+    _onlinespec_cycle: "_Cycle | None" = None  # closed by the next execute_model
 
     def _onlinespec_init(self) -> None:
         if getattr(self, "_onlinespec_guard", None) is None:
@@ -70,6 +73,10 @@ class OnlineSpecRunnerMixin:
         with guard(G.EXECUTE_MODEL):
             self._onlinespec_tokens = int(scheduler_output.total_num_scheduled_tokens)
             self._onlinespec_timer.poll()  # earlier steps' GPU spans, now measured
+            self._close_cycle(t0)
+            B, base = compat.step_token_counts(scheduler_output)
+            self._onlinespec_cycle = _Cycle(t0, B, self._onlinespec_tokens,
+                                            verifies=self._onlinespec_tokens > base)
             self._onlinespec_span = self._onlinespec_timer.start()
         try:
             return super().execute_model(scheduler_output, *args, **kwargs)
@@ -114,6 +121,8 @@ class OnlineSpecRunnerMixin:
         span = None
         with guard(G.PROPOSE):
             span = self._onlinespec_timer.start()
+            if self._onlinespec_cycle is not None:
+                self._onlinespec_cycle.proposed, self._onlinespec_cycle.k = True, k
         try:
             return super().propose_draft_token_ids(*args, **kwargs)
         finally:
@@ -154,6 +163,15 @@ class OnlineSpecRunnerMixin:
             return session.cut_drafts(drafts)
         return drafts  # reached only when the cut failed: vLLM's drafts, uncut
 
+    def _close_cycle(self, now: float) -> None:
+        """The previous engine cycle ended where this one starts: its wall time to the gate.
+        A cycle that never reached the drafter (no decode in it) prices nothing."""
+        cycle, session = self._onlinespec_cycle, self._onlinespec
+        self._onlinespec_cycle = None
+        if cycle is not None and cycle.proposed and session is not None:
+            session.observe_cycle(cycle.k, cycle.batch, cycle.tokens, now - cycle.start,
+                                  verified=cycle.verifies)
+
     def onlinespec_profile(self) -> StepProfile:
         return self._onlinespec_profile
 
@@ -177,6 +195,18 @@ def _copies_features(session: Any) -> bool:
     return (getattr(session, "buffer", None) is not None
             or getattr(session, "feature_log", None) is not None
             or getattr(session, "tracer", None) is not None)
+
+
+@dataclass
+class _Cycle:
+    """One engine cycle: execute_model (the target verifies last cycle's drafts), then the
+    drafter proposes for the next."""
+    start: float  # perf_counter at execute_model
+    batch: int  # requests scheduled
+    tokens: int  # target tokens scheduled, drafts included
+    verifies: bool  # drafts were verified in it
+    proposed: bool = False  # the drafter ran (a cycle without it prices nothing)
+    k: int | None = None  # draft length asked of vLLM's drafter (None: its own)
 
 
 _RUNNER_CLASSES: dict[type, type] = {}

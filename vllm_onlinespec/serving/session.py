@@ -256,6 +256,14 @@ class OnlineSession:
         """vLLM's drafter forward at draft length k (None: K) took `seconds`."""
         self.cutter.observe_draft_time(self.drafter_k if k is None else k, seconds)
 
+    def observe_cycle(self, k: int | None, batch_size: int, tokens: int, seconds: float, *,
+                      verified: bool) -> None:
+        """A whole engine cycle: B requests, `tokens` target tokens (drafts `verified` among
+        them), drafted at k (None: the drafter's own length), `seconds` of wall time from one
+        execute_model to the next."""
+        self.cutter.observe_cycle(self.drafter_k if k is None else k, batch_size, tokens, seconds,
+                                  verified=verified)
+
     def observe_draft_hidden(self, hidden: torch.Tensor) -> None:
         """Called inside vLLM's drafter, right before it samples: must never raise."""
         with self.guard(G.DRAFT_HIDDEN):
@@ -380,7 +388,8 @@ class OnlineSession:
                                gate_steps=c.gate.steps if c.gate else 0,
                                gate_shut_steps=c.gate.shut_steps if c.gate else 0,
                                gate_explore_steps=c.gate.explore_steps if c.gate else 0,
-                               gate_short_steps=c.gate.short_steps if c.gate else 0))
+                               gate_short_steps=c.gate.short_steps if c.gate else 0,
+                               gate_overhead_s=c.gate.overhead.as_dict() if c.gate else {}))
         if self.learner is not None:
             out.learner = LearnerStats.from_learner(self.learner.stats())
             out.buffer = BufferStats(**self.buffer.stats())

@@ -46,6 +46,10 @@ class LearnerStats:
     fresh_trainable: int = 0  # fresh tokens the next update could use (held-back ones excluded)
     caught_up: bool = True  # fresh_trainable < min_new_tokens_per_update: no update until more
     hedge_weights: list[float] | None = None
+    share: float = NAN  # fraction of wall time the learner may be busy now (pacing)
+    gain_scores: int = 0  # batches scored against the frozen start weights (share_control gain)
+    share_reason: str | None = None  # why the share is what it is
+    score_errors: int = 0
     loss: dict[str, float] = field(default_factory=dict)  # the loss function's own statistics
 
     @classmethod
@@ -104,6 +108,9 @@ class CutterStats:
     gate_shut_steps: int = 0  # ... of which drafted at K = 0 (nothing verified next step)
     gate_explore_steps: int = 0  # ... of which drafted only to explore
     gate_short_steps: int = 0  # ... of which drafted 0 < k < K tokens (only those paid)
+    # Measured engine-cycle seconds beyond the modelled target and drafter spans, by kind of
+    # step and batch bucket ("drafted@B8" / "k0@B8"), as the gate prices them.
+    gate_overhead_s: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass

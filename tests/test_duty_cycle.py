@@ -1,0 +1,62 @@
+"""The learner's duty-cycle controller (learner/duty_cycle.py) on synthetic gain sequences:
+it idles when learning buys nothing, runs full while the gain rises, ramps on a drift."""
+
+import random
+
+import pytest
+
+from vllm_onlinespec.learner.duty_cycle import DutyCycle, GainScore, drop_t, slope_t
+
+
+def feed(dc, currents, references, start=0, every=4):
+    shares = []
+    for i, (c, r) in enumerate(zip(currents, references)):
+        shares.append(dc.observe(GainScore(update=(start + i) * every, current=c, reference=r)))
+    return shares
+
+
+def noisy(level, n, sd=0.05, seed=0):
+    rng = random.Random(seed)
+    return [level + rng.gauss(0, sd) for _ in range(n)]
+
+
+def test_flat_gain_idles_the_learner():
+    dc = DutyCycle(0.05, 0.5)
+    ref = noisy(0.40, 80, seed=1)
+    cur = [r + 0.10 + d for r, d in zip(ref, noisy(0.0, 80, sd=0.02, seed=2))]  # a gain, flat
+    shares = feed(dc, cur, ref)
+    assert shares[0] == 0.5  # warming up: full share
+    assert sum(s == 0.05 for s in shares[-30:]) >= 25, shares[-30:]
+    assert "share 0.05" in dc.reason
+
+
+def test_rising_gain_keeps_the_full_share():
+    dc = DutyCycle(0.05, 0.5)
+    ref = noisy(0.40, 80, seed=3)
+    cur = [r + 0.004 * i + d for i, (r, d) in enumerate(zip(ref, noisy(0.0, 80, sd=0.02, seed=4)))]
+    shares = feed(dc, cur, ref)
+    assert min(shares[-40:]) >= 0.45, shares[-40:]
+
+
+def test_a_drift_ramps_the_learner_back_up():
+    dc = DutyCycle(0.05, 0.5)
+    ref = noisy(0.40, 60, seed=5)
+    cur = [r + 0.1 for r in ref]
+    shares = feed(dc, cur, ref)
+    assert sum(shares[-20:]) / 20 < 0.15, shares[-20:]  # idle before the change
+    # the target changes: both weights accept less, the learned gain is gone
+    ref2 = noisy(0.20, 12, seed=6)
+    shares2 = feed(dc, [r + 0.0 for r in ref2], ref2, start=60)
+    assert max(shares2[:8]) >= 0.45, shares2
+    assert "drop t" in dc.reason
+
+
+def test_statistics_and_settings():
+    assert slope_t([0, 1, 2, 3], [0, 1, 2, 3.1]) > 10
+    assert abs(slope_t([0, 1, 2, 3, 4], [1, 1.1, 0.9, 1, 1.05])) < 2
+    assert drop_t([1, 1.1, 0.9, 1, 0.5, 0.45, 0.55, 0.5]) > 5
+    assert drop_t([1, 1]) == 0.0
+    with pytest.raises(ValueError, match="min_share"):
+        DutyCycle(0.6, 0.5)
+    dc = DutyCycle(0.1, 0.5)
+    assert dc.observe(GainScore(0, float("nan"), 0.3)) == 0.5 and dc.n == 0  # ignored

@@ -1,0 +1,114 @@
+"""The learner's duty cycle follows what learning buys.
+
+The learner shares the serving box's cores (or GPU) with the engine; every second it trains
+is a second serving may wait. Where the drafter already matches the target, updates buy
+nothing and the learner should nearly idle; where the target differs (a fine-tuned or swapped
+model) or has just changed, it should train at its full share.
+
+The signal. Every `score_every`-th update the learner scores the batch it is about to train on
+twice, without gradients: with its current weights (the forward it runs anyway) and with the
+frozen start weights (one extra forward). Both give accepted draft tokens per block on the same
+fresh verified text, so their difference, the *gain*, is a paired estimate whose batch-to-batch
+noise largely cancels. Two things call for learning:
+
+* the gain is rising: updates are still paying (t-statistic of the least-squares slope of the
+  gain over the last `window` scores);
+* the current weights' acceptance dropped against its own recent past: the target or the
+  traffic changed (t-statistic of the mean of the older half of the window minus the newer).
+
+share = min_share + (max_share - min_share) * clip((t - t_idle) / (t_full - t_idle), 0, 1) with
+t the larger statistic. Until `warmup` scores exist the learner runs at max_share (a cold start
+has everything to learn). A ramp holds for `hold` scores so that one noisy window does not
+switch it off. Cost: one no-gradient forward every `score_every` updates (about 1/3 of an
+update's compute each time).
+
+Pure module: no torch, no vLLM.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class GainScore:
+    update: int  # learner update count when scored
+    current: float  # accepted draft tokens per block, current weights
+    reference: float  # the same blocks, frozen start weights
+
+    @property
+    def gain(self) -> float:
+        return self.current - self.reference
+
+
+def slope_t(xs: list[float], ys: list[float]) -> float:
+    """t-statistic of the least-squares slope of ys on xs (0 when undefined)."""
+    n = len(xs)
+    if n < 3:
+        return 0.0
+    mx, my = sum(xs) / n, sum(ys) / n
+    sxx = sum((x - mx) ** 2 for x in xs)
+    if sxx <= 0:
+        return 0.0
+    b = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sxx
+    resid = sum((y - my - b * (x - mx)) ** 2 for x, y in zip(xs, ys))
+    se = math.sqrt(resid / (n - 2) / sxx)
+    return b / se if se > 0 else (math.inf if b > 0 else 0.0)
+
+
+def drop_t(ys: list[float]) -> float:
+    """t-statistic of (mean of the older half) - (mean of the newer half): > 0 when ys fell."""
+    h = len(ys) // 2
+    if h < 2:
+        return 0.0
+    old, new = ys[:h], ys[-h:]
+    mo, mn = sum(old) / h, sum(new) / h
+    var = (sum((y - mo) ** 2 for y in old) + sum((y - mn) ** 2 for y in new)) / (2 * h - 2)
+    se = math.sqrt(2 * var / h)
+    return (mo - mn) / se if se > 0 else (math.inf if mo > mn else 0.0)
+
+
+class DutyCycle:
+    def __init__(self, min_share: float, max_share: float, *, window: int = 24, warmup: int = 8,
+                 t_idle: float = 2.0, t_full: float = 4.0, hold: int = 4) -> None:
+        if not 0 < min_share <= max_share <= 1:
+            raise ValueError(f"need 0 < min_share <= max_share <= 1 (got {min_share}, {max_share})")
+        if window < 6 or warmup < 1 or not t_full > t_idle:
+            raise ValueError("need window >= 6, warmup >= 1 and t_full > t_idle")
+        self.min_share, self.max_share = min_share, max_share
+        self.warmup, self.t_idle, self.t_full, self.hold = warmup, t_idle, t_full, hold
+        self.scores: deque[GainScore] = deque(maxlen=window)
+        self.n = 0
+        self.share = max_share
+        self.signal = math.nan  # the last t-statistic that set the share
+        self._held = 0  # scores left in the current hold
+        self.reason = f"warming up (0/{warmup} scores): full share"
+
+    def observe(self, score: GainScore) -> float:
+        """One scored batch; returns the share to run at from now on."""
+        if not (math.isfinite(score.current) and math.isfinite(score.reference)):
+            return self.share
+        self.scores.append(score)
+        self.n += 1
+        if self.n < self.warmup:
+            self.reason = f"warming up ({self.n}/{self.warmup} scores): full share"
+            self.share = self.max_share
+            return self.share
+        xs = [float(s.update) for s in self.scores]
+        t_gain = slope_t(xs, [s.gain for s in self.scores])
+        t_drop = drop_t([s.current for s in self.scores])
+        t = max(t_gain, t_drop)
+        frac = min(1.0, max(0.0, (t - self.t_idle) / (self.t_full - self.t_idle)))
+        target = self.min_share + (self.max_share - self.min_share) * frac
+        if target >= self.share:
+            self._held = self.hold if frac > 0 else self._held
+        elif self._held > 0:  # keep a ramp for `hold` scores
+            self._held -= 1
+            target = self.share
+        self.share, self.signal = target, t
+        gains = [s.gain for s in self.scores]
+        self.reason = (f"gain {sum(gains) / len(gains):+.3f} tok/block (slope t {t_gain:+.1f}), "
+                       f"current acceptance drop t {t_drop:+.1f}: share {self.share:.2f}")
+        return self.share
