@@ -442,3 +442,13 @@ def test_sequence_records_replay_a_whole_answer_as_serving_feedback():
     # Prompt and first generated token are context; the other answer tokens are trainable.
     assert b.context_tokens == start + 1 and b.fresh_tokens + b.context_tokens == n
     assert accounted(b) == n
+
+
+def test_clear_drops_everything_and_a_running_request_starts_over():
+    b = FeedbackBuffer(window_tokens=64, max_tokens=1024)
+    b.push(rec("a", 0, 10))
+    b.push(rec("b", 0, 6))
+    assert b.clear() == b.drops > 0
+    assert len(b) == 0 and b.size == 0 and b.fresh_tokens == 0
+    b.push(rec("a", 10, 5))  # the next record of a request that was running
+    assert "a" in b and b.size == 5

@@ -7,7 +7,7 @@
 import os as _os
 
 __version__ = "0.1.0"
-__all__ = ["SpecDecodeWorker", "__version__"]
+__all__ = ["SpecDecodeWorker", "swap_target", "__version__"]
 
 # `vllm_onlinespec.kernels` is the checkout's top-level kernels/ (pyproject's package-dir maps it
 # at install time). Run from a source checkout (PYTHONPATH=<repo>, no install: the GPU machine,
@@ -29,4 +29,8 @@ def __getattr__(name: str):
         from vllm_onlinespec.serving.worker import SpecDecodeWorker
 
         return SpecDecodeWorker
+    if name == "swap_target":
+        from vllm_onlinespec.serving.target_swap import swap_target
+
+        return swap_target
     raise AttributeError(f"module 'vllm_onlinespec' has no attribute {name!r}")

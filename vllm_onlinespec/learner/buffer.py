@@ -303,6 +303,16 @@ class FeedbackBuffer:
             if not keep_fresh or r.fresh() == 0:
                 self._release(req_id, count_drops=True)
 
+    def clear(self) -> int:
+        """Drop everything held (the target's weights changed: features and labels logged from
+        the old target would train the drafter towards it). Requests still running start
+        over with their next record, as after an eviction. Returns the fresh tokens dropped."""
+        with self._lock:
+            before = self.drops
+            for rid in list(self._reqs):
+                self._release(rid, count_drops=True)
+            return self.drops - before
+
     # -- learner side ---------------------------------------------------------------------------
     def sample_training_windows(self, max_windows: int, min_fresh: int = 1,
                                 holdback: int = 0, max_fresh: int | None = None

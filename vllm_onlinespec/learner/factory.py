@@ -88,6 +88,14 @@ class DistillObjective:
         self._fixed = draft_vocab.to(self.device) if draft_vocab is not None else None
         self._vocab = None
 
+    def retarget(self, embed_w: torch.Tensor, lm_head_w: torch.Tensor) -> None:
+        """The target's weights changed (an in-flight swap): read its embedding and LM head
+        again and drop the LM-head slice built from the old ones. A reduced draft vocabulary
+        keeps its rows: they are the drafter's own LM head, not the target's."""
+        self.embed_w = on_device(embed_w, self.device)
+        self.lm_head_w = on_device(lm_head_w, self.device)
+        self._vocab = None
+
     def vocab_for(self, ids: torch.Tensor):
         """The LossVocab covering `ids` and every token seen before (None for loss.vocab 'full').
         Rebuilt only when a batch brings a new token: the slice copies the rows it keeps."""

@@ -34,6 +34,7 @@ an event (Snapshot.wait_ready), and update/snapshot times come from CUDA events 
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import logging
 import math
@@ -286,6 +287,13 @@ class OnlineLearner:
             if c.dir and self.version % c.every_n_versions == 0:
                 self._checkpoint_safely(c.dir)
         return "updated"
+
+    @contextlib.contextmanager
+    def paused(self):
+        """No update runs inside (one in progress finishes first): for changing what the
+        learner reads, e.g. the target's weights during an in-flight swap."""
+        with self._model_lock:
+            yield
 
     @property
     def share(self) -> float:

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from torch import nn
@@ -54,6 +54,7 @@ class OnlineSession:
         self.guard = guard or HookGuard()
         self.K = compat.num_speculative_tokens(runner.vllm_config)
         self.steps = 0
+        self.target_swaps = 0  # in-flight swaps of the target's weights (serving/target_swap.py)
         # Under TP: rank 0 learns and publishes to every rank (compat/parallel.py).
         self.tp = compat.tp_group()
         self.leader = compat.tp_rank(self.tp) == 0
@@ -377,6 +378,7 @@ class OnlineSession:
             cost_a_s=cm.a if cm is not None else None,
             cost_b_s_per_token=cm.b if cm is not None else None,
             resumed_from=self.resumed_from, hooks=self.guard.stats(),
+            target_swaps=self.target_swaps,
             **({"lookup_rows": self.lookup.rows, "lookup_drafted": self.lookup.drafted,
                 "lookup_accepted": self.lookup.accepted,
                 "lookup_recent_rows": self.lookup.recent_rows,
@@ -411,6 +413,26 @@ class OnlineSession:
                 "verify_policy": self.cfg.length_head.policy, "K": str(self.K),
                 "prompt_lookup": str(self.lookup is not None),
                 "length_head": self.cutter.head_state}
+
+    def swap_target(self, runner: Any, reload: Callable[[], None]) -> dict:
+        """Run `reload` (vLLM's in-place reload of the target's weights) with the learner
+        paused, then make the learner follow (serving/target_swap.py). Not guarded: a failed
+        reload must reach the caller."""
+        t0 = time.perf_counter()
+        dropped = 0
+        if self.learner is None:
+            reload()
+        else:
+            with self.learner.paused():
+                reload()
+                embed, lm_head = compat.target_embed_and_head(runner)
+                self.parts.learner.loss_fn.retarget(embed, lm_head)
+                dropped = self.buffer.clear()
+        self.target_swaps += 1
+        sec = time.perf_counter() - t0
+        logger.info("onlinespec: target weights swapped in %.2f s (%d untrained feedback tokens "
+                    "from the old target dropped)", sec, dropped)
+        return {"seconds": sec, "dropped_tokens": dropped, "swaps": self.target_swaps}
 
     def flush_features(self) -> int:
         """Write the feature log's pending rows now; the rows logged so far (0 when off)."""

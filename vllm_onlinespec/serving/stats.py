@@ -124,6 +124,7 @@ class OnlineSpecStats:
     cost_a_s: float | None = None  # budget policy's step cost model (None: no cost model)
     cost_b_s_per_token: float | None = None
     resumed_from: str | None = None  # checkpoint the learner resumed, None = fresh start
+    target_swaps: int = 0  # in-flight swaps of the target's weights (serving/target_swap.py)
     lookup_rows: int = 0  # request-steps whose verified draft came from prompt lookup
     lookup_drafted: int = 0  # of those, draft tokens verified
     lookup_accepted: int = 0  # and accepted

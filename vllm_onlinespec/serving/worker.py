@@ -71,6 +71,21 @@ class SpecDecodeWorker(_Base):  # type: ignore[misc, valid-type]
         session = getattr(getattr(self, "model_runner", None), "_onlinespec", None)
         return session.digest() if session is not None else ""
 
+    def onlinespec_swap_target(self, path: str) -> dict:
+        """Replace the target's weights by the HF folder `path` in place (vLLM's
+        reload_weights), with the learner following (serving/target_swap.py). A folder that
+        does not fit is one line and nothing changes."""
+        from vllm_onlinespec.serving.target_swap import check_swap
+
+        check_swap(compat.served_hf_config(self.vllm_config), path)
+        runner = getattr(self, "model_runner", None)
+        session = getattr(runner, "_onlinespec", None)
+        reload = lambda: self.reload_weights(weights_path=path)  # noqa: E731 - vLLM's own path
+        if session is None:
+            reload()
+            return {"seconds": None, "dropped_tokens": 0, "swaps": None}
+        return session.swap_target(runner, reload)
+
     def shutdown(self) -> None:
         runner = getattr(self, "model_runner", None)
         if runner is not None and hasattr(runner, "shutdown_onlinespec"):

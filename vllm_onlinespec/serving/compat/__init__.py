@@ -34,15 +34,15 @@ from vllm_onlinespec.serving.compat.step_view import (StepView, accepted_counts,
 from vllm_onlinespec.serving.compat.vllm_config import (WORKER_QUALNAME, additional_config,
                                                         gpu_memory_utilization,
                                                         draft_model_path, num_speculative_tokens,
-                                                        ours_requested, spec_method,
-                                                        target_hidden_size)
+                                                        ours_requested, served_hf_config,
+                                                        spec_method, target_hidden_size)
 from vllm_onlinespec.serving.compat.workers import (base_runner_class, base_worker_class,
                                                     cpu_worker_builds, is_cpu, time_target_steps)
 
 VLLM_VERSION = "0.32.0"
 
 __all__ = [
-    "StepView", "VLLM_VERSION", "batch_req_ids", "broadcast_snapshot", "broadcast_version", "tp_group", "tp_rank", "WORKER_QUALNAME", "accepted_counts", "additional_config",
+    "StepView", "VLLM_VERSION", "served_hf_config", "batch_req_ids", "broadcast_snapshot", "broadcast_version", "tp_group", "tp_rank", "WORKER_QUALNAME", "accepted_counts", "additional_config",
     "apply_patches", "base_runner_class", "base_worker_class", "cpu_worker_builds",
     "draft_model_path", "draft_token_ids_type", "gpu_memory_utilization", "drafter_loading", "drafter_module",
     "install_context_only_k0", "is_cpu",

@@ -25,6 +25,11 @@ def target_hidden_size(vllm_config: Any) -> int:
     return int(vllm_config.model_config.get_hidden_size())
 
 
+def served_hf_config(vllm_config: Any) -> dict:
+    """The served target's HF config as a dict (what a swapped-in folder must match)."""
+    return vllm_config.model_config.hf_config.to_dict()
+
+
 def draft_model_path(vllm_config: Any) -> str | None:
     spec = getattr(vllm_config, "speculative_config", None)
     cfg = getattr(spec, "draft_model_config", None)
