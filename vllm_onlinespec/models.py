@@ -144,20 +144,7 @@ def pull(name: str = DEFAULT_MODEL, force: bool = False, dtype: str = "bfloat16"
     del src
     steps.update()
     steps.set_postfix_str("save")
-    tmp = Path(tempfile.mkdtemp(prefix=f".{m.name}-", dir=dest.parent))
-    try:
-        model.save_pretrained(tmp, safe_serialization=True)
-        tok.save_pretrained(tmp)
-        (tmp / "PROVENANCE.json").write_text(
-            json.dumps({"source": f"pypi:{m.package}/{m.gguf_file}", "dtype": dtype}, indent=2)
-        )
-        verify(tmp)
-        if dest.exists():
-            shutil.rmtree(dest)
-        os.replace(tmp, dest)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
+    save_folder(model, tok, dest, {"source": f"pypi:{m.package}/{m.gguf_file}", "dtype": dtype})
     steps.update()
     steps.close()
     return dest
@@ -191,12 +178,19 @@ def merge_adapter(base: str | Path, adapter: str | Path, dest: str | Path,
     except lora.AdapterError as e:
         raise ModelError(str(e)) from None
     model = model.to(getattr(torch, dtype))
+    save_folder(model, AutoTokenizer.from_pretrained(base), dest,
+                {"base": str(base), "adapter": str(adapter), "dtype": dtype})
+    return dest
+
+
+def save_folder(model, tokenizer, dest: Path, provenance: dict) -> None:
+    """Write an HF folder atomically: saved and verified beside `dest`, then moved in place
+    (a crash leaves the old folder or none, never half of one)."""
     tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}-", dir=dest.parent))
     try:
         model.save_pretrained(tmp, safe_serialization=True)
-        AutoTokenizer.from_pretrained(base).save_pretrained(tmp)
-        (tmp / "PROVENANCE.json").write_text(json.dumps(
-            {"base": str(base), "adapter": str(adapter), "dtype": dtype}, indent=2))
+        tokenizer.save_pretrained(tmp)
+        (tmp / "PROVENANCE.json").write_text(json.dumps(provenance, indent=2))
         verify(tmp)
         if dest.exists():
             shutil.rmtree(dest)
@@ -204,7 +198,6 @@ def merge_adapter(base: str | Path, adapter: str | Path, dest: str | Path,
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
-    return dest
 
 
 def _pull_variant(m: KnownModel, dest: Path, dtype: str) -> Path:

@@ -187,6 +187,7 @@ def make_variant(base_path: str, out: str | Path, recipe: VariantRecipe, *, cach
     from vllm_onlinespec.training.generate import SamplingSpec, generate, vllm_generate_fn
     from vllm_onlinespec.training.self_prompts import self_written_prompts
 
+    base_path = str(base_path)
     tok = AutoTokenizer.from_pretrained(base_path)
     fn = generate_fn
     close = None
