@@ -108,3 +108,33 @@ def test_unresolvable_drafter_fails_before_any_engine(smollm2_path, drafter, mon
     with pytest.raises(DrafterNotFound) as e:
         engine_config(smollm2_path, drafter, {"drafter": "nobody/no-such-drafter"})
     assert "nobody/no-such-drafter" in str(e.value) and "\n" not in str(e.value)
+
+
+def test_full_cuda_graphs_become_piecewise_when_verify_batches_are_uneven():
+    """Cut drafts or lookup drafts make uneven verify batches: full CUDA graphs of the target
+    step give way to piecewise ones, as vLLM does for its own dynamic speculation; a fixed
+    policy without lookup keeps the mode."""
+    from types import SimpleNamespace
+
+    from vllm.config import CUDAGraphMode
+
+    from vllm_onlinespec.config import OnlineSpecConfig
+    from vllm_onlinespec.serving.compat import engine_args as ea
+
+    def vcfg(mode):
+        return SimpleNamespace(compilation_config=SimpleNamespace(cudagraph_mode=mode))
+
+    budget = OnlineSpecConfig.from_any({"length_head": {"policy": "budget", "k_min": 0}})
+    lookup = OnlineSpecConfig.from_any({"prompt_lookup": {"enabled": True}})
+    plain = OnlineSpecConfig.from_any({})
+    assert ea.uneven_verify_reason(plain) is None
+    for cfg in (budget, lookup):
+        v = vcfg(CUDAGraphMode.FULL_AND_PIECEWISE)
+        line = ea.piecewise_for_uneven_verify(v, ea.uneven_verify_reason(cfg))
+        assert v.compilation_config.cudagraph_mode == CUDAGraphMode.PIECEWISE
+        assert "FULL_AND_PIECEWISE -> PIECEWISE" in line
+    v = vcfg(CUDAGraphMode.FULL_AND_PIECEWISE)
+    assert ea.piecewise_for_uneven_verify(v, ea.uneven_verify_reason(plain)) is None
+    assert v.compilation_config.cudagraph_mode == CUDAGraphMode.FULL_AND_PIECEWISE
+    v = vcfg(CUDAGraphMode.NONE)  # the CPU: no graphs, nothing to change
+    assert ea.piecewise_for_uneven_verify(v, "cuts") is None

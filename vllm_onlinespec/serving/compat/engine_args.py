@@ -69,3 +69,30 @@ def check(vllm_config: Any) -> None:
         raise EngineArgsError(f"onlinespec: vLLM chose Model Runner V2 for this engine (a "
                               f"feature that requires it?); online learning needs the V1 "
                               f"runner ({V2_ENV}=0)")
+
+
+def uneven_verify_reason(cfg: Any) -> str | None:
+    """Why an onlinespec config makes the target verify a different number of draft tokens per
+    request or step (None: it never does)."""
+    why = []
+    if cfg.length_head.policy != "fixed":
+        why.append(f"the {cfg.length_head.policy} policy cuts drafts")
+    if cfg.prompt_lookup.enabled:
+        why.append("prompt lookup drafts lengths of its own")
+    return " and ".join(why) or None
+
+
+def piecewise_for_uneven_verify(vllm_config: Any, reason: str | None) -> str | None:
+    """Full CUDA graphs of the target step assume one verify shape; cut drafts make uneven
+    batches. vLLM switches its own dynamic speculative decoding to piecewise graphs for that
+    (VllmConfig._maybe_override_dynamic_sd_cudagraph_mode, config/vllm.py); the same here.
+    Returns the log line when it changed the mode."""
+    cc = getattr(vllm_config, "compilation_config", None)
+    mode = getattr(cc, "cudagraph_mode", None)
+    if reason is None or mode is None or not mode.has_full_cudagraphs():
+        return None
+    from vllm.config import CUDAGraphMode
+
+    cc.cudagraph_mode = CUDAGraphMode.PIECEWISE
+    return (f"onlinespec: cudagraph_mode {mode.name} -> PIECEWISE: {reason}, so verify batches "
+            f"are uneven (vLLM does the same for its own dynamic speculative decoding)")

@@ -123,7 +123,12 @@ def _select_worker_and_validate_config() -> None:
         if ours:
             from vllm_onlinespec.serving.validate import config_from_vllm, drafter_dir
 
-            drafter_dir(vllm_config, config_from_vllm(vllm_config), allow_download=True)
+            cfg = config_from_vllm(vllm_config)
+            drafter_dir(vllm_config, cfg, allow_download=True)
+            line = engine_args.piecewise_for_uneven_verify(
+                vllm_config, engine_args.uneven_verify_reason(cfg))
+            if line:
+                _log_once(line)
         return vllm_config
 
     EngineArgs.create_engine_config = create_engine_config
