@@ -1,5 +1,6 @@
 """The CPU examples run as written, each with one engine start: the offline LLM.chat one, the
-`vllm serve` + OpenAI client script, and the `vllm bench serve --dataset-name spec_bench` one.
+`vllm serve` + OpenAI client script, the `vllm bench serve --dataset-name spec_bench` one and
+the in-flight target swap.
 Short answers keep each under ~90 s on the 2-core box."""
 
 import os
@@ -64,3 +65,14 @@ def test_bench_serve_spec_bench_example(smollm2_path, spec_bench_questions):
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
     assert re.search(r"Successful requests:\s+4\b", r.stdout), r.stdout[-3000:]
     assert re.search(r"^onlinespec:drafter_version\S* [0-9.]+", r.stdout, re.M), r.stdout[-3000:]
+
+
+def test_swap_target_example_serves_both_targets(smollm2_path):
+    r = subprocess.run([sys.executable, str(EXAMPLES / "swap_target.py"), "--max-tokens", "24"],
+                       capture_output=True, text=True, timeout=420, cwd=EXAMPLES)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
+    assert re.search(r"^swapped in [0-9.]+ s, \d+ stale feedback tokens dropped", r.stdout, re.M), r.stdout
+    phases = re.findall(r"^--- (base|swapped): drafter version \d+, learner share ([0-9.]+)",
+                        r.stdout, re.M)
+    assert [p for p, _ in phases] == ["base", "swapped"], r.stdout
+    assert r.stdout.count(">>> ") == 6, r.stdout  # every question answered in both phases
