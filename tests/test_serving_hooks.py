@@ -202,6 +202,8 @@ class FakeMetrics:
 
 
 class RecordingCutter:
+    gate = None  # no budget gate: the runner times no engine cycles
+
     def __init__(self):
         self.refreshed: list[tuple] = []
         self.observed = 0

@@ -74,9 +74,11 @@ class OnlineSpecRunnerMixin:
             self._onlinespec_tokens = int(scheduler_output.total_num_scheduled_tokens)
             self._onlinespec_timer.poll()  # earlier steps' GPU spans, now measured
             self._close_cycle(t0)
-            B, base = compat.step_token_counts(scheduler_output)
-            self._onlinespec_cycle = _Cycle(t0, B, self._onlinespec_tokens,
-                                            verifies=self._onlinespec_tokens > base)
+            session = self._onlinespec
+            if session is not None and session.times_cycles:  # only the budget's gate reads them
+                B, base = compat.step_token_counts(scheduler_output)
+                self._onlinespec_cycle = _Cycle(t0, B, self._onlinespec_tokens,
+                                                verifies=self._onlinespec_tokens > base)
             self._onlinespec_span = self._onlinespec_timer.start()
         try:
             return super().execute_model(scheduler_output, *args, **kwargs)

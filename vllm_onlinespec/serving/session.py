@@ -257,6 +257,11 @@ class OnlineSession:
         """vLLM's drafter forward at draft length k (None: K) took `seconds`."""
         self.cutter.observe_draft_time(self.drafter_k if k is None else k, seconds)
 
+    @property
+    def times_cycles(self) -> bool:
+        """Whether the runner should time whole engine cycles (the budget's gate prices them)."""
+        return self.cutter.gate is not None
+
     def observe_cycle(self, k: int | None, batch_size: int, tokens: int, seconds: float, *,
                       verified: bool) -> None:
         """A whole engine cycle: B requests, `tokens` target tokens (drafts `verified` among
