@@ -16,6 +16,7 @@ guard, so a stage that fails every step still leaves the others working.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from typing import Any, Callable
@@ -425,14 +426,14 @@ class OnlineSession:
         reload must reach the caller."""
         t0 = time.perf_counter()
         dropped = 0
-        if self.learner is None:
+        with self.learner.paused() if self.learner is not None else contextlib.nullcontext():
             reload()
-        else:
-            with self.learner.paused():
-                reload()
+            if self.cfg.enabled:
+                # Every rank: under TP the gather is a collective (only rank 0 has a learner).
                 embed, lm_head = compat.target_embed_and_head(runner)
-                self.parts.learner.loss_fn.retarget(embed, lm_head)
-                dropped = self.buffer.clear()
+                if self.learner is not None:
+                    self.parts.learner.loss_fn.retarget(embed, lm_head)
+                    dropped = self.buffer.clear()
         self.target_swaps += 1
         sec = time.perf_counter() - t0
         logger.info("onlinespec: target weights swapped in %.2f s (%d untrained feedback tokens "
