@@ -223,3 +223,28 @@ def test_gain_pacing_scores_batches_against_the_frozen_start_weights(tmp_path):
 def test_min_share_above_the_share_is_one_line():
     with pytest.raises(Exception, match="min_cpu_share 0.6 exceeds learner_cpu_share 0.5"):
         cfg(pacing={"min_cpu_share": 0.6, "learner_cpu_share": 0.5})
+
+
+def test_replayed_blocks_are_left_out_of_the_gain_score():
+    """A batch filled up with replayed anchors keeps them apart: fresh_only() is the same batch
+    with the replayed anchors masked, and without replay it is the batch itself."""
+    from vllm_onlinespec.learner.batches import windows_to_batch
+    from vllm_onlinespec.learner.buffer import FeedbackBuffer
+
+    K = 3
+    buf = FeedbackBuffer(window_tokens=256, max_tokens=4096)
+    feed(buf, K, steps=12)  # 9 prompt tokens + 12 steps of K + 1: positions 0..56
+    buf.sample_training_windows(4, holdback=0)  # trained once: the next window can replay them
+    g = torch.Generator().manual_seed(3)
+    for pos in range(57, 57 + 4 * (K + 1), K + 1):
+        buf.push(FeedbackRecord("r", torch.randint(1, V, (K + 1,), generator=g), pos,
+                                torch.randn(K + 1, 2 * H, generator=g),
+                                torch.randn(K + 1, H, generator=g), K, 1))
+    wins = buf.sample_training_windows(4, holdback=K)
+    plain = windows_to_batch(wins, max_anchors=2, stride=K)
+    assert plain.fresh_anchors is None and plain.fresh_only() is plain
+    full = windows_to_batch(wins, max_anchors=2, stride=K, replay_to=8)
+    fresh = full.fresh_only()
+    kept = fresh.anchors[fresh.anchors >= 0].tolist()
+    assert kept == plain.anchors[plain.anchors >= 0].tolist()  # exactly the fresh anchors
+    assert int((full.anchors >= 0).sum()) > len(kept)  # replay added blocks

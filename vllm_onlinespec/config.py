@@ -280,7 +280,8 @@ class PacingConfig(_Section):
         "learning buys nothing (share_control 'gain'; <= learner_cpu_share)")
     score_every: int = Field(
         4, ge=1, description="updates between two gain scores (share_control 'gain'): each "
-        "score is one extra no-gradient forward of the frozen start weights on the batch")
+        "score is two no-gradient forwards (current and frozen start weights) over the batch's "
+        "fresh blocks")
     learner_priority: Literal["idle", "low", "normal"] = Field(
         "normal", description="scheduling priority of the learner thread: 'idle' (SCHED_IDLE: "
         "it runs only on CPU time serving leaves, a waking engine thread preempts it at once), "

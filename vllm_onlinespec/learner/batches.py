@@ -23,6 +23,8 @@ beside serving: ~20 fresh tokens reach it between updates, 4-5 blocks at stride 
 
 from __future__ import annotations
 
+import dataclasses
+
 from dataclasses import dataclass
 
 import torch
@@ -38,6 +40,15 @@ class BlockBatch:
     lengths: torch.Tensor  # [B] valid rows per window
     anchors: torch.Tensor  # [B, A] window indices, -1 = unused
     num_fresh: int  # fresh tokens these windows brought (all of them are labels here)
+    # The same anchors with the replayed ones set to -1 (None: nothing replayed): blocks the
+    # learner has not trained on yet, what the gain score measures on (learner/duty_cycle.py).
+    fresh_anchors: torch.Tensor | None = None
+
+    def fresh_only(self) -> "BlockBatch":
+        """This batch restricted to its fresh blocks."""
+        if self.fresh_anchors is None:
+            return self
+        return dataclasses.replace(self, anchors=self.fresh_anchors, fresh_anchors=None)
 
 
 def _first_anchor(w: TrainingWindow) -> int:
@@ -82,10 +93,13 @@ def windows_to_batch(windows: list[TrainingWindow], max_anchors: int, stride: in
     if not picked:
         return None
     spare = replay_to - sum(len(a) for _, a in picked)
+    replayed = [0] * len(picked)
     if spare > 0:
         gen = gen if gen is not None else torch.Generator().manual_seed(0)
         per_window = -(-spare // len(picked))
-        picked = [(w, replay_anchors(w, per_window, gen) + a) for w, a in picked]
+        extra = [replay_anchors(w, per_window, gen) for w, _ in picked]
+        replayed = [len(r) for r in extra]
+        picked = [(w, r + a) for (w, a), r in zip(picked, extra)]
     B = len(picked)
     T = max(int(w.token_ids.shape[0]) for w, _ in picked)
     A = max(len(a) for _, a in picked)
@@ -101,7 +115,13 @@ def windows_to_batch(windows: list[TrainingWindow], max_anchors: int, stride: in
         ids[b, :n], aux[b, :n], fin[b, :n] = w.token_ids, w.aux, w.target_hidden
         lengths[b] = n
         anchors[b, : len(a)] = torch.tensor(a)
-    return BlockBatch(ids, aux, fin, lengths, anchors, sum(w.num_fresh for w, _ in picked))
+    fresh = None
+    if any(replayed):  # replayed anchors come first in each row
+        fresh = anchors.clone()
+        for b, r in enumerate(replayed):
+            fresh[b, :r] = -1
+    return BlockBatch(ids, aux, fin, lengths, anchors, sum(w.num_fresh for w, _ in picked),
+                      fresh_anchors=fresh)
 
 
 @dataclass

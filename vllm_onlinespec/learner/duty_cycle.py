@@ -5,11 +5,11 @@ is a second serving may wait. Where the drafter already matches the target, upda
 nothing and the learner should nearly idle; where the target differs (a fine-tuned or swapped
 model) or has just changed, it should train at its full share.
 
-The signal. Every `score_every`-th update the learner scores the batch it is about to train on
-twice, without gradients: with its current weights (the forward it runs anyway) and with the
-frozen start weights (one extra forward). Both give accepted draft tokens per block on the same
-fresh verified text, so their difference, the *gain*, is a paired estimate whose batch-to-batch
-noise largely cancels. Two things call for learning:
+The signal. Every `score_every`-th update, before it trains, the learner scores the batch's
+fresh blocks (verified text it has not trained on; replayed blocks would flatter the current
+weights) twice, without gradients: with its current weights and with the frozen start weights.
+Both give accepted draft tokens per block on the same text, so their difference, the *gain*, is
+a paired estimate whose batch-to-batch noise largely cancels. Two things call for learning:
 
 * the gain is rising: updates are still paying (t-statistic of the least-squares slope of the
   gain over the last `window` scores);
@@ -19,8 +19,8 @@ noise largely cancels. Two things call for learning:
 share = min_share + (max_share - min_share) * clip((t - t_idle) / (t_full - t_idle), 0, 1) with
 t the larger statistic. Until `warmup` scores exist the learner runs at max_share (a cold start
 has everything to learn). A ramp holds for `hold` scores so that one noisy window does not
-switch it off. Cost: one no-gradient forward every `score_every` updates (about 1/3 of an
-update's compute each time).
+switch it off. Cost: two no-gradient forwards over the fresh blocks every `score_every`
+updates (a fresh block set is a fraction of a replay-filled batch).
 
 Pure module: no torch, no vLLM.
 """

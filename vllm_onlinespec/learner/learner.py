@@ -258,6 +258,8 @@ class OnlineLearner:
     def _train_on(self, batch: Any) -> str:
         t0 = time.perf_counter()
         self.attempts += 1
+        if self.duty is not None and (self.attempts - 1) % self.cfg.pacing.score_every == 0:
+            self._score_gain(batch)  # before the update, on the clock: the score is learner time
         timer = Timer(self.device)
         try:
             # A transaction: on any exception (ours from _check_params included) the rule has
@@ -271,8 +273,6 @@ class OnlineLearner:
         except Exception as e:
             self._count_failure("errors", "update", e)
             return "error"
-        if self.duty is not None and self.updates % self.cfg.pacing.score_every == 0:
-            self._score_gain(batch)  # before the clock stops: the score is the learner's time
         dt = time.perf_counter() - t0
         self.busy_s += dt  # wall time: what the duty cycle (learner_cpu_share) is about
         self.updates += 1
@@ -301,12 +301,15 @@ class OnlineLearner:
         return self.duty.share if self.duty is not None else self.cfg.learner_cpu_share
 
     def _score_gain(self, batch: Any) -> None:
-        """The frozen start weights on the batch just trained on, against the current weights'
-        statistics from the same forward (taken before the update): one gain score."""
+        """One gain score before an update: the current and the frozen start weights on the
+        batch's fresh blocks (replayed ones were trained on and would flatter the current
+        weights), two forwards without gradients."""
         try:
+            fresh = batch.fresh_only() if hasattr(batch, "fresh_only") else batch
             with torch.no_grad():
-                ref = self.reference(batch)
-            self.duty.observe(GainScore(self.updates, float(self.last_stats["accepted"]),
+                current = self.loss_fn(self.model, fresh)[1]
+                ref = self.reference(fresh)
+            self.duty.observe(GainScore(self.updates, float(current["accepted"]),
                                         float(ref["accepted"])))
         except Exception as e:  # noqa: BLE001 - pacing must never stop learning
             self._count_failure("score_errors", "gain score", e)
