@@ -5,7 +5,7 @@ import random
 
 import pytest
 
-from vllm_onlinespec.learner.duty_cycle import DutyCycle, GainScore, drop_t, slope_t
+from vllm_onlinespec.learner.duty_cycle import DutyCycle, GainScore, drop_t, mean_t, slope_t
 
 
 def feed(dc, currents, references, start=0, every=4):
@@ -20,14 +20,25 @@ def noisy(level, n, sd=0.05, seed=0):
     return [level + rng.gauss(0, sd) for _ in range(n)]
 
 
-def test_flat_gain_idles_the_learner():
+def test_no_gain_idles_the_learner():
+    """In-domain: training buys nothing over the start weights (paired noise only)."""
     dc = DutyCycle(0.05, 0.5)
     ref = noisy(0.40, 80, seed=1)
-    cur = [r + 0.10 + d for r, d in zip(ref, noisy(0.0, 80, sd=0.02, seed=2))]  # a gain, flat
+    cur = [r + d for r, d in zip(ref, noisy(0.0, 80, sd=0.05, seed=2))]
     shares = feed(dc, cur, ref)
     assert shares[0] == 0.5  # warming up: full share
     assert sum(s == 0.05 for s in shares[-30:]) >= 25, shares[-30:]
     assert "share 0.05" in dc.reason
+
+
+def test_a_steady_gain_keeps_the_full_share():
+    """A changed target: training has bought +0.15 tokens per block and holds it; the start
+    weights do not match what is served, so more fresh text may buy more."""
+    dc = DutyCycle(0.05, 0.5)
+    ref = noisy(0.30, 60, seed=7)
+    cur = [r + 0.15 + d for r, d in zip(ref, noisy(0.0, 60, sd=0.1, seed=8))]
+    shares = feed(dc, cur, ref)
+    assert min(shares[-30:]) >= 0.45, shares[-30:]
 
 
 def test_rising_gain_keeps_the_full_share():
@@ -41,12 +52,13 @@ def test_rising_gain_keeps_the_full_share():
 def test_a_drift_ramps_the_learner_back_up():
     dc = DutyCycle(0.05, 0.5)
     ref = noisy(0.40, 60, seed=5)
-    cur = [r + 0.1 for r in ref]
+    cur = [r + d for r, d in zip(ref, noisy(0.0, 60, sd=0.03, seed=9))]
     shares = feed(dc, cur, ref)
     assert sum(shares[-20:]) / 20 < 0.15, shares[-20:]  # idle before the change
-    # the target changes: both weights accept less, the learned gain is gone
+    # the target changes: both weights accept less
     ref2 = noisy(0.20, 12, seed=6)
-    shares2 = feed(dc, [r + 0.0 for r in ref2], ref2, start=60)
+    shares2 = feed(dc, [r + d for r, d in zip(ref2, noisy(0.0, 12, sd=0.03, seed=10))], ref2,
+                   start=60)
     assert max(shares2[:8]) >= 0.45, shares2
     assert "drop t" in dc.reason
 
@@ -56,6 +68,7 @@ def test_statistics_and_settings():
     assert abs(slope_t([0, 1, 2, 3, 4], [1, 1.1, 0.9, 1, 1.05])) < 2
     assert drop_t([1, 1.1, 0.9, 1, 0.5, 0.45, 0.55, 0.5]) > 5
     assert drop_t([1, 1]) == 0.0
+    assert mean_t([0.2, 0.25, 0.15, 0.2]) > 5 and abs(mean_t([0.1, -0.1, 0.05, -0.05])) < 1
     with pytest.raises(ValueError, match="min_share"):
         DutyCycle(0.6, 0.5)
     dc = DutyCycle(0.1, 0.5)

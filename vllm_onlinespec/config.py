@@ -273,8 +273,8 @@ class PacingConfig(_Section):
     share_control: Literal["gain", "fixed"] = Field(
         "gain", description="'gain': the learner's share of wall time follows what learning "
         "buys (learner/duty_cycle.py): learner_cpu_share while the drafter's gain over its "
-        "frozen start weights rises or its acceptance drops (a changed target), "
-        "min_cpu_share while flat; 'fixed': always learner_cpu_share")
+        "frozen start weights is above zero or rising, or its acceptance drops (a changed "
+        "target), min_cpu_share otherwise; 'fixed': always learner_cpu_share")
     min_cpu_share: float = Field(
         0.05, gt=0.0, le=1.0, description="fraction of wall time the learner keeps when "
         "learning buys nothing (share_control 'gain'; <= learner_cpu_share)")

@@ -9,12 +9,18 @@ The signal. Every `score_every`-th update, before it trains, the learner scores 
 fresh blocks (verified text it has not trained on; replayed blocks would flatter the current
 weights) twice, without gradients: with its current weights and with the frozen start weights.
 Both give accepted draft tokens per block on the same text, so their difference, the *gain*, is
-a paired estimate whose batch-to-batch noise largely cancels. Two things call for learning:
+a paired estimate whose batch-to-batch noise largely cancels. Three things call for learning:
 
+* the gain is above zero: the start weights do not match what is served (a fine-tuned or
+  changed target), training has paid and more fresh text may pay more (t-statistic of the
+  window's mean gain);
 * the gain is rising: updates are still paying (t-statistic of the least-squares slope of the
   gain over the last `window` scores);
 * the current weights' acceptance dropped against its own recent past: the target or the
   traffic changed (t-statistic of the mean of the older half of the window minus the newer).
+
+Where the drafter already matches the served traffic, none holds (online learning measured no
+gain in-domain) and the learner idles at min_share.
 
 share = min_share + (max_share - min_share) * clip((t - t_idle) / (t_full - t_idle), 0, 1) with
 t the larger statistic. Until `warmup` scores exist the learner runs at max_share (a cold start
@@ -58,6 +64,16 @@ def slope_t(xs: list[float], ys: list[float]) -> float:
     return b / se if se > 0 else (math.inf if b > 0 else 0.0)
 
 
+def mean_t(ys: list[float]) -> float:
+    """t-statistic of the mean of ys against 0 (0 when undefined)."""
+    n = len(ys)
+    if n < 3:
+        return 0.0
+    m = sum(ys) / n
+    sd = math.sqrt(sum((y - m) ** 2 for y in ys) / (n - 1))
+    return m / (sd / math.sqrt(n)) if sd > 0 else (math.inf if m > 0 else 0.0)
+
+
 def drop_t(ys: list[float]) -> float:
     """t-statistic of (mean of the older half) - (mean of the newer half): > 0 when ys fell."""
     h = len(ys) // 2
@@ -97,9 +113,10 @@ class DutyCycle:
             self.share = self.max_share
             return self.share
         xs = [float(s.update) for s in self.scores]
-        t_gain = slope_t(xs, [s.gain for s in self.scores])
+        gains = [s.gain for s in self.scores]
+        t_level, t_gain = mean_t(gains), slope_t(xs, gains)
         t_drop = drop_t([s.current for s in self.scores])
-        t = max(t_gain, t_drop)
+        t = max(t_level, t_gain, t_drop)
         frac = min(1.0, max(0.0, (t - self.t_idle) / (self.t_full - self.t_idle)))
         target = self.min_share + (self.max_share - self.min_share) * frac
         if target >= self.share:
@@ -108,7 +125,7 @@ class DutyCycle:
             self._held -= 1
             target = self.share
         self.share, self.signal = target, t
-        gains = [s.gain for s in self.scores]
-        self.reason = (f"gain {sum(gains) / len(gains):+.3f} tok/block (slope t {t_gain:+.1f}), "
-                       f"current acceptance drop t {t_drop:+.1f}: share {self.share:.2f}")
+        self.reason = (f"gain {sum(gains) / len(gains):+.3f} tok/block (t {t_level:+.1f}, slope t "
+                       f"{t_gain:+.1f}), current acceptance drop t {t_drop:+.1f}: share "
+                       f"{self.share:.2f}")
         return self.share
