@@ -279,7 +279,7 @@ class PacingConfig(_Section):
         0.05, gt=0.0, le=1.0, description="fraction of wall time the learner keeps when "
         "learning buys nothing (share_control 'gain'; <= learner_cpu_share)")
     score_every: int = Field(
-        4, ge=1, description="updates between two gain scores (share_control 'gain'): each "
+        1, ge=1, description="updates between two gain scores (share_control 'gain'): each "
         "score is two no-gradient forwards (current and frozen start weights) over the batch's "
         "fresh blocks")
     learner_priority: Literal["idle", "low", "normal"] = Field(
