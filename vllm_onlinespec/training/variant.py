@@ -216,12 +216,6 @@ def make_variant(base_path: str, out: str | Path, recipe: VariantRecipe, *, cach
                                                 "report": report}})
 
 
-def merged_state(base_model: torch.nn.Module, adapter: str | Path) -> int:
-    """Merge an adapter folder into a loaded base model in place; returns modules merged."""
-    cfg, factors = lora.load(adapter)
-    return lora.merge(base_model, cfg, factors)
-
-
 def describe(adapter: str | Path) -> str:
     d = json.loads((Path(adapter) / lora.ADAPTER_CONFIG).read_text())
     meta = d.get("vllm_onlinespec", {})
