@@ -73,3 +73,19 @@ def test_statistics_and_settings():
         DutyCycle(0.6, 0.5)
     dc = DutyCycle(0.1, 0.5)
     assert dc.observe(GainScore(0, float("nan"), 0.3)) == 0.5 and dc.n == 0  # ignored
+
+
+def test_a_cold_start_keeps_the_full_share():
+    """Random start weights accept ~nothing: current and reference both sit at the floor, no
+    gain shows yet, and there is no drafting to lose; the learner trains at its full share."""
+    dc = DutyCycle(0.05, 0.8)
+    ref = [abs(x) for x in noisy(0.0, 60, sd=0.01, seed=11)]
+    cur = [abs(x) for x in noisy(0.0, 60, sd=0.01, seed=12)]
+    shares = feed(dc, cur, ref)
+    assert min(shares) == 0.8, shares
+    assert "cold start" in dc.reason
+    # Once the start weights draft something and learning buys nothing, it idles again.
+    ref2 = noisy(0.40, 80, seed=13)
+    shares2 = feed(dc, [r + d for r, d in zip(ref2, noisy(0.0, 80, sd=0.05, seed=14))], ref2,
+                   start=60)
+    assert sum(shares2[-40:]) / 40 < 0.2 and "cold start" not in dc.reason, shares2[-40:]

@@ -22,6 +22,12 @@ a paired estimate whose batch-to-batch noise largely cancels. Three things call 
 Where the drafter already matches the served traffic, none holds (online learning measured no
 gain in-domain) and the learner idles at min_share.
 
+A cold start is the exception: where the start weights draft (almost) nothing on the served
+text (mean reference acceptance below `cold_accepted` drafts per block: random or minutes-
+trained weights, or a drafter for another tokenizer's habits), current and reference both sit
+at the zero floor, a paired gain cannot show until training has already paid, and there is no
+drafting to lose. The learner keeps its full share there.
+
 share = min_share + (max_share - min_share) * clip((t - t_idle) / (t_full - t_idle), 0, 1) with
 t the largest statistic. Until `warmup` scores exist the learner runs at max_share (a cold start
 has everything to learn). A ramp holds for `hold` scores so that one noisy window does not
@@ -92,13 +98,15 @@ class DutyCycle:
     # thresholds are those that separated a +0.18 tokens-per-block gain (a changed target) from
     # none on a tuning stream.
     def __init__(self, min_share: float, max_share: float, *, window: int = 32, warmup: int = 16,
-                 t_idle: float = 1.5, t_full: float = 3.0, hold: int = 4) -> None:
+                 t_idle: float = 1.5, t_full: float = 3.0, hold: int = 4,
+                 cold_accepted: float = 0.05) -> None:
         if not 0 < min_share <= max_share <= 1:
             raise ValueError(f"need 0 < min_share <= max_share <= 1 (got {min_share}, {max_share})")
         if window < 6 or warmup < 1 or not t_full > t_idle:
             raise ValueError("need window >= 6, warmup >= 1 and t_full > t_idle")
         self.min_share, self.max_share = min_share, max_share
         self.warmup, self.t_idle, self.t_full, self.hold = warmup, t_idle, t_full, hold
+        self.cold_accepted = cold_accepted
         self.scores: deque[GainScore] = deque(maxlen=window)
         self.n = 0
         self.share = max_share
@@ -118,6 +126,12 @@ class DutyCycle:
             return self.share
         xs = [float(s.update) for s in self.scores]
         gains = [s.gain for s in self.scores]
+        ref_mean = sum(s.reference for s in self.scores) / len(self.scores)
+        if ref_mean < self.cold_accepted:
+            self.share, self.signal, self._held = self.max_share, math.nan, self.hold
+            self.reason = (f"cold start (start weights accept {ref_mean:.3f} drafts per block): "
+                           f"full share")
+            return self.share
         t_level, t_gain = mean_t(gains), slope_t(xs, gains)
         t_drop = drop_t([s.current for s in self.scores])
         t = max(t_level, t_gain, t_drop)
