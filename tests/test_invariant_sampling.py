@@ -5,8 +5,11 @@ import math
 
 import torch
 
-from vllm_onlinespec.sampling.invariant import (accepted_lengths, invariant_tokens, splitmix64,
-                                                uniform_noise)
+import pytest
+
+from vllm_onlinespec.config import ConfigError, OnlineSpecConfig
+from vllm_onlinespec.sampling.invariant import (PLACEHOLDER, accepted_lengths, invariant_tokens,
+                                                keyed_gumbel, row_keys, splitmix64, verify_rows)
 
 
 def test_splitmix64_matches_the_reference_on_uint64():
@@ -23,11 +26,16 @@ def test_splitmix64_matches_the_reference_on_uint64():
 
 
 def test_noise_is_a_function_of_seed_position_and_token_only():
-    a = uniform_noise(torch.tensor([7, 7, 8]), torch.tensor([3, 4, 3]), 50)
-    b = uniform_noise(torch.tensor([8, 7]), torch.tensor([3, 3]), 50)  # other batch, other order
-    assert torch.equal(a[2], b[0]) and torch.equal(a[0], b[1])
+    ids = torch.arange(-5, 50)  # block ids (< 0) and token ids
+    a = keyed_gumbel(row_keys(torch.tensor([7, 7, 8]), torch.tensor([3, 4, 3]))[:, None], ids)
+    b = keyed_gumbel(row_keys(torch.tensor([8, 7]), torch.tensor([3, 3]))[:, None], ids)
+    assert torch.equal(a[2], b[0]) and torch.equal(a[0], b[1])  # other batch, other order
     assert not torch.equal(a[0], a[1]) and not torch.equal(a[0], a[2])
-    assert float(a.min()) > 0 and float(a.max()) < 1
+    assert bool(torch.isfinite(a).all())
+    # standard Gumbel: mean Euler-Mascheroni (0.5772), variance pi^2 / 6
+    g = keyed_gumbel(row_keys(torch.tensor([1]), torch.tensor([0]))[:, None],
+                     torch.arange(200_000)).flatten()
+    assert abs(float(g.mean()) - 0.5772) < 0.01 and abs(float(g.var()) - math.pi ** 2 / 6) < 0.03
 
 
 def test_tokens_follow_the_target_distribution():
@@ -45,6 +53,28 @@ def test_tokens_follow_the_target_distribution():
     assert chi2 < 31.3, chi2  # chi-square, 10 degrees of freedom, p = 0.001
 
 
+def test_tokens_across_vocabulary_blocks_follow_the_target_distribution():
+    # A vocabulary of several sampling blocks (256 tokens each): the block is drawn by its mass,
+    # then a token in it. Mass spread over 12 tokens in 4 blocks (one token alone in its
+    # block, two blocks with several) plus a tail of 1000 near-impossible tokens.
+    torch.manual_seed(2)
+    vocab = 1100
+    logits = torch.full((vocab,), -12.0)
+    hot = torch.tensor([3, 7, 200, 255, 256, 300, 511, 700, 701, 702, 1050, 1099])
+    logits[hot] = torch.randn(len(hot)) * 1.2
+    logits[5] = -math.inf
+    n = 20_000
+    toks = invariant_tokens(logits.expand(n, -1), torch.arange(n) + 10_000, torch.full((n,), 9))
+    p = torch.softmax(logits.double(), -1)
+    counts = torch.bincount(toks, minlength=vocab).double()
+    assert counts[5] == 0
+    expected = n * p[hot]
+    chi2 = float(((counts[hot] - expected) ** 2 / expected).sum())
+    tail = float(counts.sum() - counts[hot].sum())
+    assert chi2 < 32.9, chi2  # 11 degrees of freedom, p = 0.001
+    assert abs(tail - n * float(1 - p[hot].sum())) < 5 * math.sqrt(n * float(1 - p[hot].sum())) + 3
+
+
 def test_output_does_not_depend_on_the_drafts():
     torch.manual_seed(1)
     logits = torch.randn(4, 6, 30)  # 4 requests, positions 10..15
@@ -59,3 +89,30 @@ def test_output_does_not_depend_on_the_drafts():
         for r, e in enumerate(emitted):
             assert torch.equal(e, target[r, :len(e)])  # always a prefix of the same sequence
     assert accepted_lengths(target[:, :5], target).tolist() == [5, 5, 5, 5]
+
+
+def test_verify_rows_accept_the_matching_prefix_then_the_invariant_token():
+    # request 1: drafts [5, 6, 7], tokens at its 4 positions [5, 6, 9, 3]: 2 accepted, then 9;
+    # request 2: no drafts (a plain step or a cut to 0): its one token;
+    # request 3: every draft matches: all of them and the bonus position's token.
+    rows = verify_rows([[5, 6, 7], [], [1, 2]], [5, 6, 9, 3, 4, 1, 2, 8], width=4)
+    assert rows == [[5, 6, 9, PLACEHOLDER], [4, PLACEHOLDER, PLACEHOLDER, PLACEHOLDER],
+                    [1, 2, 8, PLACEHOLDER]]
+    with pytest.raises(ValueError, match="positions"):
+        verify_rows([[5]], [5, 6, 7], width=4)
+    with pytest.raises(ValueError, match="width"):
+        verify_rows([[5, 6]], [5, 6, 7], width=2)
+
+
+def test_the_mode_follows_what_changes_drafts():
+    def mode(d):
+        return OnlineSpecConfig.from_any(d).invariant_sampling
+
+    assert mode({}) == "seeded"  # learning on
+    assert mode({"enabled": False, "length_head": {"policy": "fixed"}}) == "off"
+    assert mode({"enabled": False, "length_head": {"policy": "budget"}}) == "seeded"
+    assert mode({"enabled": False, "length_head": {"policy": "fixed"},
+                 "prompt_lookup": {"enabled": True}}) == "seeded"
+    assert mode({"sampling": {"invariant": "all"}}) == "all"
+    with pytest.raises(ConfigError, match="sampling.invariant"):
+        OnlineSpecConfig.from_any({"sampling": {"invariant": "sometimes"}})

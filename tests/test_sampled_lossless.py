@@ -137,8 +137,11 @@ def spec_drafts(llm) -> float:
 @pytest.fixture(scope="module")
 def llm(smollm2_path, tmp_path_factory):
     drafter = make_drafter(smollm2_path, str(tmp_path_factory.mktemp("sampled") / "drafter"))
+    # vLLM's rejection sampler is what this module tests (sampling.invariant off; the
+    # drafter-invariant mode has its own module, test_invariant_sampling_vllm.py).
     engine = make_llm(smollm2_path, drafter, {"enabled": False, "length_head": {"policy": "fixed"},
-                                              "prompt_lookup": LOOKUP})
+                                              "prompt_lookup": LOOKUP,
+                                              "sampling": {"invariant": "off"}})
     yield engine
     engine.llm_engine.engine_core.shutdown()
 

@@ -1,7 +1,7 @@
 """Sampled and mixed traffic with the learner ON and the `adaflash` verify policy cutting drafts
 (float32, one engine for the module): greedy rows equal the target while weights change under
-way, and the rejection sampler's second tokens follow the target's distribution at
-temperature 1. Frozen drafter and the `fixed` policy: tests/test_sampled_lossless.py; the
+way, and the second tokens follow the target's distribution at temperature 1 (the draws are
+seeded, so they go through drafter-invariant verification, the default with learning on). Frozen drafter and the `fixed` policy: tests/test_sampled_lossless.py; the
 `budget` policy with sampled requests through `vllm serve`: tests/test_serve.py."""
 
 import pytest

@@ -401,6 +401,23 @@ class PromptLookupConfig(_Section):
         return self
 
 
+class SamplingConfig(_Section):
+    """How sampled requests are verified (sampling/invariant.py, wired in
+    serving/compat/invariant_sampling.py)."""
+
+    invariant: Literal["auto", "seeded", "all", "off"] = Field(
+        "auto", description="drafter-invariant verification of sampled (temperature > 0) "
+        "requests: each position's token is the Gumbel-max sample fixed by (request seed, "
+        "position) after every logits processor, and a draft is accepted iff it equals it, so a "
+        "seeded request gives the same tokens whatever the drafter version, K, cut or lookup "
+        "draft. 'seeded': requests with a seed; 'all': also unseeded ones (a seed drawn per "
+        "request); 'off': vLLM's rejection sampling; 'auto' = 'seeded' when anything changes "
+        "the drafts while serving (learning, a verify-length policy other than fixed, prompt "
+        "lookup), else 'off'. Greedy requests are never touched. Cost: per sampled request and "
+        "step, K + 1 rows of vocabulary-wide processing and noise on the sampler's device, and "
+        "a match rate of (1 - TV) / (1 + TV) per draft against rejection sampling's 1 - TV")
+
+
 class OnlineSpecConfig(_Section):
     """Root configuration of online speculative decoding: the `onlinespec` object of vLLM's
     `--additional-config` JSON (docs/configuration.md lists every key)."""
@@ -473,6 +490,20 @@ class OnlineSpecConfig(_Section):
     prompt_lookup: PromptLookupConfig = Field(
         default_factory=PromptLookupConfig, description="prompt lookup where the request's "
         "own text predicts what follows, the drafter elsewhere (off)")
+    sampling: SamplingConfig = Field(
+        default_factory=SamplingConfig, description="verification of sampled requests")
+
+    @property
+    def invariant_sampling(self) -> str:
+        """The resolved sampling.invariant: 'seeded', 'all' or 'off'."""
+        mode = self.sampling.invariant
+        if mode != "auto":
+            return mode
+        if self.oracle.accept_len is not None:  # forced acceptance: output is not the target's
+            return "off"
+        changes_drafts = (self.enabled or self.length_head.policy != "fixed"
+                          or self.prompt_lookup.enabled)
+        return "seeded" if changes_drafts else "off"
 
     @field_validator("learner_device")
     @classmethod
@@ -508,6 +539,13 @@ class OnlineSpecConfig(_Section):
         if self.enabled:
             raise ValueError("oracle.accept_len needs enabled = false (the learner would train "
                              "on forced acceptances)")
+        return self
+
+    @model_validator(mode="after")
+    def _invariant_not_with_oracle(self) -> "OnlineSpecConfig":
+        if self.oracle.accept_len is not None and self.sampling.invariant in ("seeded", "all"):
+            raise ValueError("sampling.invariant needs oracle.accept_len unset (forced "
+                             "acceptance replaces verification)")
         return self
 
     @model_validator(mode="before")

@@ -10,8 +10,10 @@ Sources (config `prompt_lookup.source`):
   suffix_tree  SuffixDecoding's trees over the request's text and finished outputs
                (drafter/suffix_tree.py); its draft replaces the drafter's block where its score
                (expected accepted tokens) reaches `suffix_min_score`
-Seeded requests use their own text only (the ngram rule): a draft that depends on what else
-was served would change how rejection sampling spends the seed's random numbers.
+Seeded requests under vLLM's rejection sampling use their own text only (the ngram rule): a
+draft that depends on what else was served would change how rejection sampling spends the
+seed's random numbers. Under drafter-invariant verification (sampling.invariant) they take
+every source like the others.
 
 Either way the target verifies what is proposed: lossless. The stage counts what it drafted
 and what was accepted, apart from the drafter's rows (the verify-length policy and the length

@@ -4,7 +4,9 @@
                     context-only; the online session starts
   execute_model     timed (step profile, the budget's step cost); each start closes the previous
                     engine cycle, whose wall time the gate compares with its model
-  _sample           remembers the rejection sampler's output (accepted lengths); the oracle
+  _sample           seeded sampled requests verified drafter-invariantly (compat/
+                    invariant_sampling.py); remembers the rejection sampler's output
+                    (accepted lengths); the oracle
   propose_draft_token_ids   the budget's step gate (draft K, fewer, or vLLM's K = 0 drafter path); timed
   sample_tokens     before: a view of the target step (on GPU its features copied, before vLLM's
                     drafter can overwrite them); after: feedback -> buffer, then publish
@@ -35,6 +37,7 @@ logger = logging.getLogger("vllm_onlinespec")
 
 class OnlineSpecRunnerMixin:
     _onlinespec: Any = None
+    _onlinespec_invariant: Any = None  # compat.InvariantVerifier, or None (greedy-only/off)
     _onlinespec_sampled: Any = None
     _onlinespec_span: Any = None  # this step's target span (serving/step_timer.py)
     _onlinespec_tokens: int = 0
@@ -61,6 +64,8 @@ class OnlineSpecRunnerMixin:
             # frozen engine's budget gate differently: docs/results/drafter_packing.md).
             compat.wrap_drafter_load(self)
         out = super().load_model(*args, **kwargs)
+        mode = cfg.invariant_sampling
+        self._onlinespec_invariant = compat.InvariantVerifier(mode) if mode != "off" else None
         if cfg.length_head.k0_step == "context_only":
             compat.install_context_only_k0(self)
         self._onlinespec = OnlineSession(self, cfg, self._onlinespec_guard)
@@ -91,7 +96,15 @@ class OnlineSpecRunnerMixin:
     def _sample(self, logits, spec_decode_metadata):
         self._onlinespec_init()
         t0 = time.perf_counter()
+        inv, pending = self._onlinespec_invariant, None
+        if inv is not None and logits is not None:
+            with self._onlinespec_guard(G.INVARIANT):
+                pending = inv.before(self, logits, spec_decode_metadata)
         out = super()._sample(logits, spec_decode_metadata)
+        if pending is not None:
+            # A failure here is counted and leaves vLLM's own (valid, not reproducible) sample.
+            with self._onlinespec_guard(G.INVARIANT):
+                inv.after(self, pending, spec_decode_metadata, out)
         t1 = time.perf_counter()
         with self._onlinespec_guard(G.SAMPLE):
             prof, session = self._onlinespec_profile, self._onlinespec

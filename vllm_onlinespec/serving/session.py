@@ -247,7 +247,7 @@ class OnlineSession:
         if k and sampled is not None and self.lookup is not None and self.cfg.prompt_lookup.skip_drafter:
             req_ids = compat.batch_req_ids(self.runner)
             history = compat.tokens_before_bookkeeping(self.runner, req_ids, sampled)
-            if self.lookup.prepare(req_ids, history, compat.seeded_requests(self.runner, req_ids)):
+            if self.lookup.prepare(req_ids, history, self._seed_bound(req_ids)):
                 self.lookup.skipped_steps += 1
                 k = 0
         if k >= self.K:
@@ -371,7 +371,15 @@ class OnlineSession:
         if self.cfg.features.plain:
             return cut
         return self.lookup.propose(cut, req_ids, compat.request_tokens(self.runner, req_ids),
-                                   compat.seeded_requests(self.runner, req_ids))
+                                   self._seed_bound(req_ids))
+
+    def _seed_bound(self, req_ids: list[str]) -> list[bool]:
+        """Requests whose exact sample depends on the drafts they are shown: seeded ones under
+        vLLM's rejection sampling. Under drafter-invariant verification none is (their tokens
+        depend on seed and target alone), so they may draft from other requests' text too."""
+        if getattr(self.runner, "_onlinespec_invariant", None) is not None:
+            return [False] * len(req_ids)
+        return compat.seeded_requests(self.runner, req_ids)
 
     # -- reading ----------------------------------------------------------------------------------
     def stats(self) -> OnlineSpecStats:
@@ -385,6 +393,7 @@ class OnlineSession:
             cost_b_s_per_token=cm.b if cm is not None else None,
             resumed_from=self.resumed_from, hooks=self.guard.stats(),
             target_swaps=self.target_swaps,
+            **self._invariant_stats(),
             **({"lookup_rows": self.lookup.rows, "lookup_drafted": self.lookup.drafted,
                 "lookup_accepted": self.lookup.accepted,
                 "lookup_recent_rows": self.lookup.recent_rows,
@@ -402,6 +411,13 @@ class OnlineSession:
             out.learner = LearnerStats.from_learner(self.learner.stats())
             out.buffer = BufferStats(**self.buffer.stats())
         return out
+
+    def _invariant_stats(self) -> dict:
+        inv = getattr(self.runner, "_onlinespec_invariant", None)
+        if inv is None:
+            return {}
+        return {"invariant_mode": inv.mode, "invariant_rows": inv.covered_steps,
+                "invariant_fallbacks": dict(inv.fallbacks)}
 
     def digest(self) -> str:
         """sha256 of vLLM's drafter weights as loaded, read back from vLLM's module under

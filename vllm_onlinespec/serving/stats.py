@@ -130,6 +130,10 @@ class OnlineSpecStats:
     lookup_accepted: int = 0  # and accepted
     lookup_recent_rows: int = 0  # request-steps whose lookup draft came from other requests' text
     lookup_skipped_steps: int = 0  # steps every request drafted by lookup: no drafter forward
+    invariant_mode: str = "off"  # sampling.invariant as resolved: "seeded", "all" or "off"
+    invariant_rows: int = 0  # sampled request-steps verified drafter-invariantly
+    # sampled request-steps the mode should cover but left to vLLM's sampling, by reason
+    invariant_fallbacks: dict[str, int] = field(default_factory=dict)
     hooks: HookStats = field(default_factory=HookStats)
     cutter: CutterStats = field(default_factory=CutterStats)
     learner: LearnerStats | None = None  # None: learning off

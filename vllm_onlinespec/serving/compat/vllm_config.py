@@ -65,6 +65,12 @@ def draft_sample_method(vllm_config: Any) -> str:
     return str(getattr(spec, "draft_sample_method", "greedy") or "greedy")
 
 
+def logprobs_mode(vllm_config: Any) -> str:
+    """vLLM's --logprobs-mode ('raw_logprobs' by default)."""
+    model = getattr(vllm_config, "model_config", None)
+    return str(getattr(model, "logprobs_mode", "raw_logprobs") or "raw_logprobs")
+
+
 def gpu_memory_utilization(vllm_config: Any) -> float:
     """The share of the GPU vLLM budgets for itself (cache_config, default 0.9)."""
     return float(getattr(getattr(vllm_config, "cache_config", None), "gpu_memory_utilization",

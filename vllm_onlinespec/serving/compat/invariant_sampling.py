@@ -1,0 +1,178 @@
+"""Drafter-invariant verification inside vLLM's sampler (vLLM 0.32.0).
+
+For every covered request (sampled, and seeded unless the mode is "all") the runner's `_sample`
+result is rewritten: the token at each position this step samples is the Gumbel-max sample
+fixed by (request seed, absolute position) (sampling/invariant.py), computed on the logits as
+vLLM processes them for a draft position (penalties and bad words with the earlier drafts
+counted as output, allowed token ids, min_tokens, temperature, top-k/top-p), and the request's
+drafts are accepted as long as they equal those tokens. A plain step (no drafts) and the bonus
+position go through the same processing as a draft position, so a position's token never
+depends on whether it was drafted, by whom, or at which K.
+
+Not covered, and left to vLLM's own sampling (counted in `fallbacks`): batches with a custom
+logits processor (this module cannot tell whether it treats a draft position like the bonus
+one) or with thinking-budget state (its processing has side effects). min_p and logit_bias
+never reach a speculative engine (vLLM's SamplingParams refuses them). Greedy requests are
+never touched. Logprobs are recomputed for the rewritten tokens (raw logprobs modes; the
+processed ones are refused at start-up by validate.py).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import secrets
+from dataclasses import dataclass, field, replace
+from types import SimpleNamespace
+from typing import Any
+
+import torch
+
+from vllm_onlinespec.sampling.invariant import invariant_tokens, verify_rows
+
+_SAMPLING_EPS = 1e-5  # vLLM's: below it a temperature means greedy
+_SEED_MASK = (1 << 63) - 1  # seeds travel as int64
+
+
+@dataclass
+class _Pending:
+    """What `before` saw of one step, for `after`."""
+    rows: list[int]  # covered batch indices
+    seeds: list[int]
+    positions: list[int]  # absolute index of the first token each covered request samples
+    drafts: list[list[int]]  # each covered request's drafts this step ([] on a plain step)
+    raw: torch.Tensor  # [sum(len(d) + 1), V] raw logits of the covered rows, in request order
+    full_raw: torch.Tensor | None  # every logits row, kept only when logprobs are asked for
+
+
+@dataclass
+class InvariantVerifier:
+    mode: str  # "seeded" or "all"
+    salt: int = field(default_factory=lambda: secrets.randbits(62))
+    covered_steps: int = 0  # request-steps rewritten
+    fallbacks: dict[str, int] = field(default_factory=dict)  # reason -> request-steps not covered
+
+    # -- which requests ---------------------------------------------------------------------------
+    def _seed_of(self, req_id: str, generator: torch.Generator | None) -> int:
+        if generator is not None:
+            return int(generator.initial_seed()) & _SEED_MASK
+        # "all" mode, no seed: one drawn per request (its id, salted per engine), fixed for
+        # the request's lifetime across steps, preemption and K.
+        h = hashlib.blake2b(req_id.encode(), digest_size=8).digest()
+        return (int.from_bytes(h, "little") ^ self.salt) & _SEED_MASK
+
+    def _skip(self, reason: str, n: int = 1) -> None:
+        self.fallbacks[reason] = self.fallbacks.get(reason, 0) + n
+
+    @staticmethod
+    def _position_independent(sm: Any) -> bool:
+        """Whether every active logits processor is one this module processes the same at every
+        position: vLLM's own (min_tokens per draft position; min_p and logit_bias never reach
+        a speculative engine: SamplingParams refuses them). A custom processor or thinking-
+        budget state (its processing has side effects) leaves the batch to vLLM."""
+        from vllm.v1.sample.logits_processor.builtin import (LogitBiasLogitsProcessor,
+                                                              MinPLogitsProcessor,
+                                                              MinTokensLogitsProcessor)
+
+        holder = getattr(sm, "thinking_budget_state_holder", None)
+        if holder is not None and holder.has_tracked_requests():
+            return False
+        known = (MinTokensLogitsProcessor, MinPLogitsProcessor, LogitBiasLogitsProcessor)
+        procs = sm.logitsprocs
+        return all(isinstance(p, known) for p in (*procs.argmax_invariant,
+                                                  *procs.non_argmax_invariant))
+
+    # -- the step ------------------------------------------------------------------------------
+    def before(self, runner: Any, logits: torch.Tensor, spec: Any) -> _Pending | None:
+        """Called before vLLM samples: picks the covered requests and keeps their raw logits
+        (vLLM's sampler may process `logits` in place)."""
+        batch = runner.input_batch
+        sm = batch.sampling_metadata
+        if (sm.all_greedy or sm.temperature is None
+                or getattr(runner, "rejection_sampler", None) is None):
+            return None
+        n = len(batch.req_ids)
+        temp = sm.temperature[:n].tolist()
+        gens = sm.generators
+        rows = [i for i in range(n) if temp[i] >= _SAMPLING_EPS
+                and (self.mode == "all" or i in gens)]
+        if not rows:
+            return None
+        if not self._position_independent(sm):
+            self._skip("logits processor", len(rows))
+            return None
+        if spec is None:
+            counts, drafts, idx = [0] * n, [[] for _ in range(n)], [[i] for i in range(n)]
+        else:
+            counts = list(spec.num_draft_tokens)
+            flat = spec.draft_token_ids.tolist()
+            tgt = spec.target_logits_indices.tolist()
+            bonus = spec.bonus_logits_indices.tolist()
+            starts = [sum(counts[:i]) for i in range(n)]
+            drafts = [flat[starts[i]:starts[i] + counts[i]] for i in range(n)]
+            idx = [tgt[starts[i]:starts[i] + counts[i]] + [bonus[i]] for i in range(n)]
+        take = torch.tensor([j for i in rows for j in idx[i]], dtype=torch.long,
+                            device=logits.device)
+        return _Pending(
+            rows=rows,
+            seeds=[self._seed_of(batch.req_ids[i], gens.get(i)) for i in rows],
+            positions=[int(batch.num_tokens_no_spec[i]) for i in rows],
+            drafts=[drafts[i] for i in rows],
+            raw=logits.index_select(0, take).to(torch.float32),
+            full_raw=(logits.to(torch.float32).clone() if sm.max_num_logprobs is not None
+                      else None))
+
+    def after(self, runner: Any, pending: _Pending, spec: Any, out: Any) -> None:
+        """Rewrites the covered requests' rows of vLLM's SamplerOutput `out` in place."""
+        batch = runner.input_batch
+        sm = batch.sampling_metadata
+        n = len(batch.req_ids)
+        processed = self._processed(runner.rejection_sampler, sm, pending, n)
+        counts = [len(d) + 1 for d in pending.drafts]
+        # Noise on the sampler's device: a pure function of (seed, position, token id), so the
+        # same on CPU and GPU; only the R chosen ids travel back.
+        dev = processed.device
+        seeds = torch.tensor([s for s, c in zip(pending.seeds, counts) for _ in range(c)],
+                             dtype=torch.int64, device=dev)
+        positions = torch.tensor([p + j for p, c in zip(pending.positions, counts)
+                                  for j in range(c)], dtype=torch.int64, device=dev)
+        tokens = invariant_tokens(processed, seeds, positions)
+        sampled = out.sampled_token_ids.clone()
+        rows = verify_rows(pending.drafts, tokens.tolist(), sampled.shape[1])
+        sampled[torch.tensor(pending.rows, dtype=torch.long, device=sampled.device)] = torch.tensor(
+            rows, dtype=sampled.dtype, device=sampled.device)
+        logprobs = (self._logprobs(runner, sm, spec, pending.full_raw, sampled)
+                    if pending.full_raw is not None else out.logprobs_tensors)
+        # Committed only once everything is computed: a failure above leaves vLLM's own sample.
+        out.sampled_token_ids.copy_(sampled)
+        out.logprobs_tensors = logprobs
+        self.covered_steps += len(pending.rows)
+
+    def _processed(self, rs: Any, sm: Any, pending: _Pending, n: int) -> torch.Tensor:
+        """The covered rows' logits processed as vLLM processes a draft position: every
+        position (the bonus one and a plain step's included) is treated as one, with the
+        request's earlier drafts counted as output."""
+        from vllm.v1.sample.rejection_sampler import apply_sampling_constraints
+
+        per_row = dict(zip(pending.rows, pending.drafts))
+        counts = [len(per_row[i]) + 1 if i in per_row else 0 for i in range(n)]
+        # spec tokens: the drafts and one placeholder, so that vLLM's penalty and bad-words
+        # helpers build output + drafts[:j] for positions j = 0..len(drafts).
+        spec_ids = [per_row[i] + [0] if i in per_row else [] for i in range(n)]
+        sm_j = replace(sm, spec_token_ids=spec_ids)
+        meta = SimpleNamespace(num_draft_tokens=counts)
+        x = rs.apply_logits_processors(pending.raw.clone(), sm_j, meta)
+        cu = torch.tensor(counts, dtype=torch.int32).cumsum(0).to(torch.int32).to(x.device)
+        return apply_sampling_constraints(x, cu, sm_j)
+
+    @staticmethod
+    def _logprobs(runner: Any, sm: Any, spec: Any, raw: torch.Tensor, sampled: torch.Tensor):
+        """Logprobs of the rewritten tokens, computed as vLLM's raw logprobs modes do."""
+        sampler = runner.sampler
+        if spec is None:
+            lp = raw if sampler.logprobs_mode == "raw_logits" else sampler.compute_logprobs(raw)
+            return sampler.gather_logprobs(lp, sm.max_num_logprobs,
+                                           token_ids=sampled[:, 0].to(torch.int64))
+        rs = runner.rejection_sampler
+        return rs._get_logprobs_tensors(sm.max_num_logprobs, spec, raw,
+                                        raw[spec.target_logits_indices],
+                                        raw[spec.bonus_logits_indices], sampled)
