@@ -12,6 +12,10 @@
    (4 blocks per sequence): time per update and per snapshot (CUDA events), publish time (the
    device-to-device copy of the snapshot into a second drafter standing in for vLLM's, on
    another stream after Snapshot.wait_ready), peak memory.
+4. feedback copy: one step's committed rows (aux features of 5 target layers, final hidden
+   states, ids) copied out of the runner's buffers by serving/feedback.records_from_step,
+   synchronously (pageable) and asynchronously (pinned, handed on by FeedbackPipe a step later):
+   the host time each call holds the serving thread, and the async records equal the sync ones.
 
 Writes <out>/gpu.json and <out>/gpu.md (default docs/results). Any failed check makes the exit
 status non-zero, after the other checks ran. What the device image lacks (vLLM, pydantic) is
@@ -45,7 +49,7 @@ ABSENT_ON_DEVICE = ("vllm", "pydantic", "pydantic_core", "annotated_types")
 CHECKED_MODULES = ("vllm_onlinespec.kernels", "vllm_onlinespec.config", "vllm_onlinespec.learner",
                    "vllm_onlinespec.learner.factory", "vllm_onlinespec.learner.batches",
                    "vllm_onlinespec.learner.timing", "vllm_onlinespec.training.blocks",
-                   "vllm_onlinespec.drafter")
+                   "vllm_onlinespec.drafter", "vllm_onlinespec.serving.feedback")
 
 
 class _NoVllm:
@@ -144,6 +148,7 @@ class Report:
     kernel_tests: dict = field(default_factory=dict)
     loss: list[dict] = field(default_factory=list)
     learner: list[dict] = field(default_factory=list)
+    feedback: list[dict] = field(default_factory=list)
     failures: list[str] = field(default_factory=list)
 
 
@@ -368,6 +373,55 @@ class _null:
 
 # ------------------------------------------------------------------------------ output
 
+# ------------------------------------------------------------------------------ 4. feedback copy
+
+def check_feedback_copy(s: Shapes, rep: Report) -> None:
+    from types import SimpleNamespace
+
+    from vllm_onlinespec.serving.feedback import FeedbackPipe, records_from_step
+
+    h, layers = s.drafter["hidden_size"], len(s.drafter["target_layer_ids"])
+    dev = torch.device(s.device)
+    for reqs in (8, 64) if s.device == "cuda" else (2,):
+        k = 4  # each request: last token + 4 drafts, 2 accepted -> 3 committed rows
+        n = reqs * (k + 1)
+        view = SimpleNamespace(
+            req_ids=[f"r{i}" for i in range(reqs)], num_scheduled=[k + 1] * reqs,
+            num_draft_tokens=[k] * reqs, finished_req_ids=set(),
+            aux_hidden_states=[torch.randn(n, h, device=dev, dtype=torch.bfloat16)
+                               for _ in range(layers)],
+            hidden_states=torch.randn(n, h, device=dev, dtype=torch.bfloat16),
+            input_ids=torch.arange(n, device=dev), positions=torch.arange(n, device=dev) + 100)
+        accepted = [2] * reqs
+        row = {"requests": reqs, "rows": 3 * reqs, "hidden": h, "layers": layers}
+        times = {"sync": [], "async_issue": [], "async_ready": []}
+        for rep_i in range(6):
+            if dev.type == "cuda":
+                torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            ref = records_from_step(view, accepted, 0)
+            t1 = time.perf_counter()
+            pipe = FeedbackPipe()
+            fb = records_from_step(view, accepted, 0, async_copy=True)
+            t2 = time.perf_counter()
+            got = pipe.submit(fb) or pipe.flush()
+            t3 = time.perf_counter()
+            if rep_i:  # the first is a warm-up (pinned pool, kernels)
+                times["sync"].append((t1 - t0) * 1e3)
+                times["async_issue"].append((t2 - t1) * 1e3)
+                times["async_ready"].append((t3 - t1) * 1e3)
+        ok = all(torch.equal(a.aux, b.aux) and torch.equal(a.target_hidden, b.target_hidden)
+                 and torch.equal(a.token_ids, b.token_ids)
+                 for a, b in zip(ref.records, got[0].records))
+        row.update({f"{key}_ms": round(statistics.median(v), 3) for key, v in times.items()},
+                   equal=ok, bytes=int(sum(r.aux.numel() * r.aux.element_size()
+                                           + r.target_hidden.numel() * 2 for r in ref.records)))
+        say(f"  feedback copy: {row}")
+        rep.feedback.append(row)
+        if not ok:
+            rep.failures.append(f"feedback copy ({reqs} requests): async records differ from sync")
+
+
 def write(rep: Report, out: Path, command: str) -> None:
     out.mkdir(parents=True, exist_ok=True)
     d = dataclasses.asdict(rep)
@@ -403,6 +457,16 @@ def write(rep: Report, out: Path, command: str) -> None:
               "load_weights does the same copy plus name mapping). Peak: "
               "torch.cuda.max_memory_allocated over the updates (drafter, state, head and "
               "embedding included).", ""]
+    lines += ["## 4. Feedback copy off the serving thread", "",
+              "| requests | committed rows | bytes | sync ms | async: call ms | async: ready ms | "
+              "equal |", "|---|---|---|---|---|---|---|"]
+    for r in rep.feedback:
+        lines.append(f"| {r['requests']} | {r['rows']} | {r['bytes']} | {r['sync_ms']} | "
+                     f"{r['async_issue_ms']} | {r['async_ready_ms']} | {r['equal']} |")
+    lines += ["", "sync: records_from_step with pageable copies (what the serving thread waited "
+              "for); async: the call with pinned non-blocking copies (what it waits for now), and "
+              "until the records are usable (FeedbackPipe hands them on a step later). Host "
+              "clock, median of 5 after a warm-up.", ""]
     if rep.failures:
         lines += ["## Failures", ""] + [f"- {f}" for f in rep.failures] + [""]
     (out / "gpu.md").write_text("\n".join(lines))
@@ -418,7 +482,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU (for the unit test)")
     ap.add_argument("--out", default=str(REPO / "docs" / "results"))
-    ap.add_argument("--skip", default="", help="comma-separated checks to skip: kernels,loss,learner")
+    ap.add_argument("--skip", default="", help="comma-separated checks to skip: kernels,loss,learner,feedback")
     ap.add_argument("--learner-dtypes", default="", help="e.g. bfloat16,float32 (default: bfloat16)")
     ap.add_argument("--imports-only", action="store_true",
                     help="step [0] only: import what the checks use, without " + ", ".join(ABSENT_ON_DEVICE))
@@ -450,6 +514,7 @@ def main(argv=None) -> int:
     checks = [("kernels", lambda: check_kernel_tests(s, rep)), ("loss", lambda: check_loss(s, rep))]
     with tempfile.TemporaryDirectory(prefix="gpu_check-") as tmp:
         checks.append(("learner", lambda: check_learner(s, rep, Path(tmp))))
+        checks.append(("feedback", lambda: check_feedback_copy(s, rep)))
         for key, run in checks:
             if key in skip:
                 continue

@@ -1,6 +1,6 @@
-"""benchmarks/gpu_check.sh cannot rot: its CPU smoke mode runs the same three checks on tiny
-shapes (kernel tests, loss benchmark, one learner update + publish), and nothing it imports
-may import vLLM."""
+"""benchmarks/gpu_check.sh cannot rot: its CPU smoke mode runs the same four checks on tiny
+shapes (kernel tests, loss benchmark, one learner update + publish, the feedback copy), and
+nothing it imports may import vLLM."""
 
 from __future__ import annotations
 
@@ -28,6 +28,8 @@ def test_gpu_check_smoke_runs_on_cpu(tmp_path):
     (row,) = rep["learner"]
     assert "error" not in row and row["update_ms"] > 0 and row["publish_ms"] >= 0
     assert "| float32 |" in (tmp_path / "gpu.md").read_text()
+    (fb,) = rep["feedback"]
+    assert fb["equal"] and fb["rows"] == 6 and fb["sync_ms"] > 0
 
 
 def test_gpu_check_refuses_vllm_imports():

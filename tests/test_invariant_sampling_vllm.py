@@ -149,3 +149,14 @@ def test_unseeded_requests_keep_vllms_sampling_in_seeded_mode(llm):
                                                           ignore_eos=True), use_tqdm=False)
     assert len(out[0].outputs[0].token_ids) == 8
     assert stats(llm).invariant_rows == before
+
+
+def test_a_processor_applies_before_the_noise(llm, hf_target):
+    """top_k = 1 leaves one token per position: whatever the noise, the output is greedy's."""
+    from vllm import SamplingParams
+
+    out = llm.chat([chat("Name three colors.")],
+                   SamplingParams(temperature=1.0, top_k=1, seed=5, max_tokens=16),
+                   use_tqdm=False)[0]
+    got = list(out.outputs[0].token_ids)
+    assert got == hf_greedy(hf_target, list(out.prompt_token_ids), len(got))

@@ -221,8 +221,11 @@ class RecordingCutter:
 def bare_session(**over):
     from vllm_onlinespec.serving.session import OnlineSession
 
+    from vllm_onlinespec.serving.feedback import FeedbackPipe
+
     s = object.__new__(OnlineSession)
     s.guard = HookGuard()
+    s._pipe = FeedbackPipe()
     s.steps = 0
     s._drafted_by = 0
     s.tracer = None
@@ -301,17 +304,49 @@ def test_records_from_step_keep_committed_rows_only():
     v = make_view(num_draft=(3, 0), sched=(4, 2))  # a: last token + 3 drafts; b: prefill chunk
     accepted = [1, 0]
     assert committed_rows(v, accepted) == [(0, 2), (4, 2)]
-    recs = records_from_step(v, accepted, version=5)
-    a, b = recs
+    fb = records_from_step(v, accepted, version=5)
+    assert fb.ready is None  # CPU views: copied synchronously, usable at once
+    a, b = fb.records
     assert (a.req_id, a.start_pos, a.num_draft, a.num_accepted, a.drafter_version) == ("a", 10, 3, 1, 5)
     assert a.token_ids.tolist() == [100, 101] and b.token_ids.tolist() == [104, 105]
     assert (b.start_pos, b.num_draft, b.num_accepted) == (0, 0, 0)
     assert torch.equal(a.aux, torch.cat([v.aux_hidden_states[0][:2]] * 2, dim=-1))
     assert torch.equal(b.target_hidden, v.hidden_states[4:6])
     # a request with every draft rejected commits its first row only; no aux -> no records
-    assert [r.token_ids.tolist() for r in records_from_step(v, [0, 0], 0)] == [[100], [104, 105]]
+    assert ([r.token_ids.tolist() for r in records_from_step(v, [0, 0], 0).records]
+            == [[100], [104, 105]])
+    assert records_from_step(v, accepted, 0, async_copy=True).ready is None  # CPU: nothing to wait
     v.aux_hidden_states = None
-    assert records_from_step(v, accepted, 0) == []
+    assert records_from_step(v, accepted, 0).records == []
+
+
+class FakeEvent:
+    """A CUDA event stand-in: counts synchronize() calls."""
+    def __init__(self):
+        self.waits = 0
+
+    def synchronize(self):
+        self.waits += 1
+
+
+def test_feedback_pipe_holds_asynchronous_copies_one_step():
+    from vllm_onlinespec.serving.feedback import FeedbackPipe, StepFeedback
+
+    pipe = FeedbackPipe()
+    sync = StepFeedback(["r0"], finished=["x"])
+    assert pipe.submit(sync) == [sync]  # synchronous copies: handed on at once
+    e1, e2 = FakeEvent(), FakeEvent()
+    s1, s2 = StepFeedback(["r1"], ready=e1), StepFeedback(["r2"], ready=e2)
+    assert pipe.submit(s1) == [] and e1.waits == 0  # the serving thread does not wait on it
+    assert pipe.submit(s2) == [s1] and e1.waits == 1 and e2.waits == 0  # one step later
+    assert s1.ready is None
+    assert pipe.flush() == [s2] and e2.waits == 1 and pipe.flush() == []
+    pipe.submit(StepFeedback(["r3", "r4"], ready=FakeEvent()))
+    assert pipe.drop() == 2 and pipe.flush() == []  # a swapped target's features: dropped
+    # order kept when a synchronous step follows a held one
+    s5, s6 = StepFeedback(["r5"], ready=FakeEvent()), StepFeedback(["r6"])
+    pipe.submit(s5)
+    assert pipe.submit(s6) == [s5, s6]
 
 
 # -- the draft cutter ----------------------------------------------------------------------------

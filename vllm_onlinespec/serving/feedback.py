@@ -4,9 +4,16 @@ Rows of a request in a step are [last committed token, its drafts...] (or prompt
 After verification the first 1 + accepted rows are committed: their aux features become context
 for future blocks and their final hidden states give the target's distribution for the next
 position. Rejected draft rows are dropped; the bonus token arrives as next step's first row.
+
+On a GPU the rows are gathered on the device and copied into pinned host memory without
+blocking the serving thread; the step's feedback is handed on one step later (FeedbackPipe),
+when that copy has long finished. On CPU the copy is an ordinary gather, handed on at once.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -25,25 +32,92 @@ def committed_rows(view: StepView, accepted: list[int]) -> list[tuple[int, int]]
     return out
 
 
+@dataclass
+class StepFeedback:
+    """One step's records and the requests that finished in it, usable once `ready` fired."""
+
+    records: list[FeedbackRecord]
+    finished: list[str] = field(default_factory=list)
+    ready: Any = None  # CUDA event recorded after the device-to-host copies; None: usable now
+
+    def wait(self) -> None:
+        if self.ready is not None:
+            self.ready.synchronize()
+            self.ready = None
+
+
+class FeedbackPipe:
+    """Hands each step's feedback on: at once when its copies were synchronous, one step later
+    when they were issued asynchronously, so the serving thread never waits for a copy it has
+    just started (by the next step it has long finished and `wait` returns at once)."""
+
+    def __init__(self) -> None:
+        self._held: StepFeedback | None = None
+
+    def submit(self, fb: StepFeedback) -> list[StepFeedback]:
+        out = [self._held] if self._held is not None else []
+        self._held = None
+        if fb.ready is None:
+            out.append(fb)
+        else:
+            self._held = fb
+        for f in out:
+            f.wait()
+        return out
+
+    def flush(self) -> list[StepFeedback]:
+        """What is held, ready (shutdown: nothing may be lost)."""
+        out, self._held = ([self._held] if self._held is not None else []), None
+        for f in out:
+            f.wait()
+        return out
+
+    def drop(self) -> int:
+        """Forget what is held (the target's weights changed); returns the records dropped."""
+        n = len(self._held.records) if self._held is not None else 0
+        self._held = None
+        return n
+
+
+def _to_host(t: torch.Tensor, dtype: torch.dtype, pinned: bool) -> torch.Tensor:
+    """t on the CPU in dtype; from a CUDA tensor with `pinned`, an asynchronous copy into page-
+    locked memory (valid once an event recorded after it has fired)."""
+    if not pinned or t.device.type != "cuda":
+        return t.to("cpu", dtype)
+    out = torch.empty(t.shape, dtype=dtype, pin_memory=True)
+    out.copy_(t.to(dtype), non_blocking=True)
+    return out
+
+
 def records_from_step(view: StepView, accepted: list[int], version: int,
-                      feature_dtype: torch.dtype | None = None) -> list[FeedbackRecord]:
+                      feature_dtype: torch.dtype | None = None,
+                      async_copy: bool = False) -> StepFeedback:
     """Copy what the learner needs out of the runner's reused buffers. Call it outside
     inference mode: tensors made inside it can never join an autograd graph. `version`: the
-    drafter version that proposed the drafts this step verified (each record's tag)."""
+    drafter version that proposed the drafts this step verified (each record's tag).
+    `async_copy` (CUDA views only): the copies do not block; the result's `ready` event says
+    when its tensors are valid."""
     if not view.aux_hidden_states:
-        return []
+        return StepFeedback([])
     rows = committed_rows(view, accepted)
     take = torch.cat([torch.arange(s, s + k) for s, k in rows if k > 0]) if rows else None
     if take is None or take.numel() == 0:
-        return []
+        return StepFeedback([])
     dtype = feature_dtype or view.hidden_states.dtype
+    pinned = async_copy and view.hidden_states.device.type == "cuda"
     # One gather per tensor for the whole batch, then cheap splits per request.
     aux = torch.cat([h.index_select(0, take.to(h.device)) for h in view.aux_hidden_states], dim=-1)
     # index_select already copies; the buffer clones each request's slice on push.
-    aux = aux.to("cpu", dtype)
-    fin = view.hidden_states.index_select(0, take.to(view.hidden_states.device)).to("cpu", dtype)
-    ids = view.input_ids.index_select(0, take.to(view.input_ids.device)).to("cpu", torch.long)
-    pos = view.positions.index_select(0, take.to(view.positions.device)).to("cpu")
+    aux = _to_host(aux, dtype, pinned)
+    fin = _to_host(view.hidden_states.index_select(0, take.to(view.hidden_states.device)),
+                   dtype, pinned)
+    ids = _to_host(view.input_ids.index_select(0, take.to(view.input_ids.device)), torch.long,
+                   pinned)
+    pos = view.positions.index_select(0, take.to(view.positions.device)).to("cpu")  # read now
+    ready = None
+    if pinned:
+        ready = torch.cuda.Event()
+        ready.record()
     records, off = [], 0
     for i, (_, k) in enumerate(rows):
         if k == 0:
@@ -54,4 +128,4 @@ def records_from_step(view: StepView, accepted: list[int], version: int,
             aux=aux[off:off + k], target_hidden=fin[off:off + k], num_draft=drafted,
             num_accepted=accepted[i] if drafted else 0, drafter_version=version))
         off += k
-    return records
+    return StepFeedback(records, ready=ready)

@@ -30,7 +30,7 @@ from vllm_onlinespec.serving.lookup import LookupStage
 from vllm_onlinespec.policy.cutter import DraftCutter
 from vllm_onlinespec.serving import compat
 from vllm_onlinespec.serving import guard as G
-from vllm_onlinespec.serving.feedback import records_from_step
+from vllm_onlinespec.serving.feedback import FeedbackPipe, StepFeedback, records_from_step
 from vllm_onlinespec.serving.guard import HookGuard
 from vllm_onlinespec.serving.metrics import MetricsWriter
 from vllm_onlinespec.serving.publish import Publisher
@@ -63,6 +63,7 @@ class OnlineSession:
         self.publisher = Publisher(runner, repack=cfg.publish.repack)  # CPU only; frozen: once
         self.tracer = DraftTracer.maybe(cfg, runner, self.guard) if self.leader else None
         self.feature_log = self._feature_log(runner) if self.leader else None
+        self._pipe = FeedbackPipe()  # a step's feedback, held one step on GPU (feedback.py)
         self.metrics = MetricsWriter()
         self.oracle = None
         if cfg.oracle.accept_len is not None:
@@ -302,17 +303,25 @@ class OnlineSession:
         self.cutter.forget(view.finished_req_ids)
         if self.tracer is not None:
             self.tracer.record(view, accepted, sampled)
-        if self.buffer is not None or self.feature_log is not None:
-            with torch.inference_mode(False):  # the learner trains on these: no inference tensors
-                for rec in records_from_step(view, accepted, drafted_by):
-                    if self.feature_log is not None:
-                        self.feature_log.add(rec.req_id, rec.start_pos, rec.token_ids, rec.aux,
-                                             rec.target_hidden)
-                    if self.buffer is not None:
-                        self.buffer.push(rec)
-        if self.buffer is not None:
-            for rid in view.finished_req_ids:
-                self.buffer.finish(rid)
+        if self.buffer is None and self.feature_log is None:
+            return
+        with torch.inference_mode(False):  # the learner trains on these: no inference tensors
+            fb = records_from_step(view, accepted, drafted_by, async_copy=not compat.is_cpu())
+        fb.finished = list(view.finished_req_ids)
+        self._deliver(self._pipe.submit(fb))
+
+    def _deliver(self, ready: list[StepFeedback]) -> None:
+        for fb in ready:
+            for rec in fb.records:
+                if self.feature_log is not None:
+                    self.feature_log.add(rec.req_id, rec.start_pos, rec.token_ids, rec.aux,
+                                         rec.target_hidden)
+                if self.buffer is not None:
+                    self.buffer.push(rec)
+            if self.buffer is not None:
+                for rid in fb.finished:
+                    self.buffer.finish(rid)
+        if self.buffer is not None and ready:
             self.learner.notify()
 
     def _drafter_rows(self, view: compat.StepView, accepted: list[int]) -> list[int] | None:
@@ -449,6 +458,7 @@ class OnlineSession:
                 embed, lm_head = compat.target_embed_and_head(runner)
                 if self.learner is not None:
                     self.parts.learner.loss_fn.retarget(embed, lm_head)
+                    self._pipe.drop()  # the old target's features
                     dropped = self.buffer.clear()
         self.target_swaps += 1
         sec = time.perf_counter() - t0
@@ -464,6 +474,10 @@ class OnlineSession:
         return self.feature_log.rows_written
 
     def close(self) -> None:
+        try:
+            self._deliver(self._pipe.flush())  # the last step's feedback, held on GPU
+        except Exception as e:  # noqa: BLE001 - shutting down: say so, never raise
+            logger.warning("onlinespec: last step's feedback at shutdown failed: %s", e)
         if self.feature_log is not None:
             try:
                 self.feature_log.close()
