@@ -160,6 +160,9 @@ def test_engine_kwargs_keep_cuda_graphs_on_gpu(monkeypatch):
     args = engine.serve_args(max_model_len=4096)
     assert "--enforce-eager" not in args and args[args.index("--max-model-len") + 1] == "4096"
     assert engine.engine_kwargs(enforce_eager=True)["enforce_eager"] is True  # asked for: kept
+    # every arm of a comparison on the onlinespec engine's runner and scheduling
+    assert kw["async_scheduling"] is False and "--no-async-scheduling" in args
+    assert engine.SAME_RUNNER_ENV == {"VLLM_USE_V2_MODEL_RUNNER": "0"}
 
 
 def test_engine_kwargs_on_cpu_stay_eager_and_bounded(monkeypatch):
@@ -167,6 +170,7 @@ def test_engine_kwargs_on_cpu_stay_eager_and_bounded(monkeypatch):
 
     monkeypatch.setattr(engine, "is_cpu", lambda: True)
     kw = engine.engine_kwargs()
+    assert "async_scheduling" not in kw  # vLLM-CPU schedules synchronously by itself
     assert kw["enforce_eager"] is True and kw["max_model_len"] == engine.CPU_MAX_MODEL_LEN
     assert kw["kv_cache_memory_bytes"] == engine.DEFAULT_KV_CACHE_BYTES
     assert "gpu_memory_utilization" not in kw

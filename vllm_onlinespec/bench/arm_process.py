@@ -44,9 +44,10 @@ def load_prompts(path: str) -> list[dict]:
 
 
 def make_llm(spec: ArmSpec):
-    from vllm import LLM
+    from vllm_onlinespec.engine import SAME_RUNNER_ENV, engine_kwargs
 
-    from vllm_onlinespec.engine import engine_kwargs
+    os.environ.update(SAME_RUNNER_ENV)  # before vLLM reads it: every arm on the same runner
+    from vllm import LLM
 
     kw = engine_kwargs(max_model_len=spec.max_model_len)
     if spec.method != "none":

@@ -29,6 +29,7 @@ from tqdm.auto import tqdm
 
 from vllm_onlinespec.bench.arm_catalog import clear_own_checkpoints
 from vllm_onlinespec.bench.results import ArmSpec
+from vllm_onlinespec.engine import SAME_RUNNER_ENV
 from vllm_onlinespec.serving_dtype import resolve_dtype_arg
 
 SERVED_NAME = "onlinespec-bench"
@@ -201,7 +202,7 @@ def run_arm(spec: ArmSpec, dataset: Path, concurrencies: list[int], prompts_for,
     with open(logs / f"{spec.name}.serve.log", "w") as slog, \
             open(logs / f"{spec.name}.bench.log", "w") as blog:
         proc = subprocess.Popen(serve_cmd(spec, port), stdout=slog, stderr=subprocess.STDOUT,
-                                env={**os.environ, "VLLM_LOGGING_LEVEL": "INFO"})
+                                env={**os.environ, **SAME_RUNNER_ENV, "VLLM_LOGGING_LEVEL": "INFO"})
         try:
             wait_healthy(url, proc)
             plan = [(rep, c) for rep in range(repeats) for c in concurrencies]
