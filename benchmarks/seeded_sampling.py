@@ -29,8 +29,12 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-MODES = ("off", "seeded")
-LABEL = {"off": "rejection (vLLM)", "seeded": "invariant"}
+# mode -> (report label, sampling section)
+MODES = {"off": ("rejection (vLLM)", {"invariant": "off"}),
+         "greedy-drafts": ("invariant, greedy drafts", {"invariant": "seeded",
+                                                         "coupled_drafts": False}),
+         "coupled": ("invariant, coupled drafts", {"invariant": "seeded", "coupled_drafts": True})}
+LABEL = {m: v[0] for m, v in MODES.items()}
 TEMPERATURES = (0.7, 1.0)
 FILLER = ["Tell me about the history of Rome.", "How do airplanes fly?",
           "Describe a day at the beach.", "What makes a good teacher?"]
@@ -52,7 +56,7 @@ def child(mode: str, args: argparse.Namespace, out: Path) -> None:
 
     prompts = [p.text for p in load_spec_bench(args.spec_bench, args.categories.split(","))]
     prompts = prompts[:args.num_prompts]
-    online = {"length_head": {"policy": "fixed"}, "sampling": {"invariant": mode}}
+    online = {"length_head": {"policy": "fixed"}, "sampling": MODES[mode][1]}
     llm = LLM(model=str(pull("smollm2-135m")), dtype="bfloat16", disable_log_stats=False,
               **engine_kwargs(max_model_len=2048),
               speculative_config={"method": "dflash", "model": str(shipped_drafter("smollm2-135m")),
@@ -87,7 +91,8 @@ def child(mode: str, args: argparse.Namespace, out: Path) -> None:
                      "tok_s": tokens / wall, "reproducible": passes[0] == passes[1],
                      "requests_differing": sum(a != b for a, b in zip(*passes)),
                      "published_version": st.published_version,
-                     "invariant_rows": st.invariant_rows, "tokens": tokens, "wall_s": wall})
+                     "invariant_rows": st.invariant_rows, "coupled_rows": st.coupled_rows,
+                     "tokens": tokens, "wall_s": wall})
         print(rows[-1], flush=True)
     (out / f"{mode}-{args.repeat}.json").write_text(json.dumps(rows))
     llm.llm_engine.engine_core.shutdown()
@@ -111,7 +116,7 @@ def main() -> int:
         return 0
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
-    order = [*MODES, *MODES[::-1]]
+    order = [*MODES, *list(MODES)[::-1]]
     runs = []
     for rep, mode in enumerate(order):
         print(f"{mode} (run {rep}) ...", flush=True)
@@ -162,12 +167,14 @@ def main() -> int:
                   f"{', '.join(map(str, r['requests_differing']))} / {args.num_prompts} |")
     md.append("")
     for temp in TEMPERATURES:
-        inv, rej = by[(LABEL["seeded"], temp)], by[(LABEL["off"], temp)]
-        md.append(f"At temperature {temp}: the invariant mode accepts "
-                  f"{(inv['accept_len'] - 1) / max(1e-9, rej['accept_len'] - 1):.2f}x the drafts "
-                  f"vLLM's rejection sampling accepts (accept_len {inv['accept_len']:.3f} vs "
-                  f"{rej['accept_len']:.3f}) and serves {inv['tok_s'] / rej['tok_s']:.2f}x its "
-                  f"tok/s.")
+        rej = by[(LABEL["off"], temp)]
+        for mode in ("greedy-drafts", "coupled"):
+            inv = by[(LABEL[mode], temp)]
+            md.append(f"At temperature {temp}, {LABEL[mode]}: "
+                      f"{(inv['accept_len'] - 1) / max(1e-9, rej['accept_len'] - 1):.2f}x the "
+                      f"drafts vLLM's rejection sampling accepts (accept_len "
+                      f"{inv['accept_len']:.3f} vs {rej['accept_len']:.3f}), "
+                      f"{inv['tok_s'] / rej['tok_s']:.2f}x its tok/s.")
     (out / "seeded_sampling.md").write_text("\n".join(md) + "\n")
     (out / "seeded_sampling.json").write_text(json.dumps(report, indent=1))
     print("\n".join(md))

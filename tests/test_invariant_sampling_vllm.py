@@ -6,7 +6,8 @@ drafting where the text repeats; one engine for the module).
   weights, in another batch and order, with a chunk-prefilled prompt among them, and those
   tokens are the no-speculation reference's (a PyTorch loop: the target's logits, temperature
   and top-k/top-p as vLLM applies them, the Gumbel-max token fixed by seed and position);
-- drafts of sampled requests are accepted (the prefix rule runs, not only the fallback token);
+- drafts of sampled requests, drawn by the drafter with the verifier's noise (coupled
+  drafts), are accepted (the prefix rule runs, not only the fallback token);
 - greedy rows batched with them stay the target's greedy output;
 - the second token follows the target's distribution (chi-square over distinct seeds);
 - an unseeded request keeps vLLM's sampling (mode 'seeded').
@@ -124,6 +125,7 @@ def test_sampled_drafts_are_accepted_and_counted(runs):
     assert runs["drafted_b"] > 0 and runs["accepted_b"] > 0, runs
     st = runs["stats"]
     assert st.invariant_mode == "seeded" and st.invariant_rows > 0, st
+    assert st.coupled_rows > 0, st  # the drafter drew its drafts with the verifier's noise
     assert st.hook_errors == 0, st.hooks
 
 

@@ -416,6 +416,13 @@ class SamplingConfig(_Section):
         "lookup), else 'off'. Greedy requests are never touched. Cost: per sampled request and "
         "step, K + 1 rows of vocabulary-wide processing and noise on the sampler's device, and "
         "a match rate of (1 - TV) / (1 + TV) per draft against rejection sampling's 1 - TV")
+    coupled_drafts: bool = Field(
+        True, description="with invariant verification on, draw a covered request's DFlash "
+        "drafts as argmax(log q + G) with the verifier's noise G (q: the drafter's "
+        "distribution at the request's temperature, top-k, top-p) instead of argmax q: a draft "
+        "then matches with probability >= (1 - TV) / (1 + TV) instead of p(argmax q), more "
+        "where the target spreads its mass. Costs one vocabulary-wide noise pass per drafted "
+        "row of a covered request")
 
 
 class OnlineSpecConfig(_Section):

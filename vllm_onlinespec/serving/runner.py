@@ -66,10 +66,26 @@ class OnlineSpecRunnerMixin:
         out = super().load_model(*args, **kwargs)
         mode = cfg.invariant_sampling
         self._onlinespec_invariant = compat.InvariantVerifier(mode) if mode != "off" else None
+        if self._onlinespec_invariant is not None and cfg.sampling.coupled_drafts:
+            self._install_coupled_drafts()
         if cfg.length_head.k0_step == "context_only":
             compat.install_context_only_k0(self)
         self._onlinespec = OnlineSession(self, cfg, self._onlinespec_guard)
         return out
+
+    def _install_coupled_drafts(self) -> None:
+        """Sampled requests' drafts drawn with the verifier's noise (compat/invariant_sampling.py
+        `couple`). Not under tensor parallelism: the drafter's logits are gathered on one rank."""
+        if int(getattr(self.parallel_config, "tensor_parallel_size", 1) or 1) > 1:
+            return
+        inv, guard = self._onlinespec_invariant, self._onlinespec_guard
+
+        def rewrite(hidden, ids):
+            with guard(G.INVARIANT):
+                return inv.couple(self, self.drafter, hidden, ids)
+            return ids  # reached only when coupling failed: vLLM's greedy drafts
+
+        compat.wrap_draft_ids(self, rewrite)
 
     def execute_model(self, scheduler_output, *args, **kwargs):
         self._onlinespec_init()

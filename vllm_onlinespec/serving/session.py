@@ -426,6 +426,7 @@ class OnlineSession:
         if inv is None:
             return {}
         return {"invariant_mode": inv.mode, "invariant_rows": inv.covered_steps,
+                "coupled_rows": inv.coupled_rows,
                 "invariant_fallbacks": dict(inv.fallbacks)}
 
     def digest(self) -> str:

@@ -132,6 +132,7 @@ class OnlineSpecStats:
     lookup_skipped_steps: int = 0  # steps every request drafted by lookup: no drafter forward
     invariant_mode: str = "off"  # sampling.invariant as resolved: "seeded", "all" or "off"
     invariant_rows: int = 0  # sampled request-steps verified drafter-invariantly
+    coupled_rows: int = 0  # of the drafting ones, drafts drawn with the verifier's noise
     # sampled request-steps the mode should cover but left to vLLM's sampling, by reason
     invariant_fallbacks: dict[str, int] = field(default_factory=dict)
     hooks: HookStats = field(default_factory=HookStats)

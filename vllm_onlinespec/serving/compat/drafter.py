@@ -212,6 +212,25 @@ def wrap_draft_sampler(runner: Any, on_hidden: Callable[[torch.Tensor], None]) -
     return True
 
 
+def wrap_draft_ids(runner: Any, rewrite: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+                   ) -> bool:
+    """Pass vLLM's greedy draft ids through `rewrite(hidden [B*K, H], ids)` (its result is what
+    vLLM proposes). Probabilistic drafts (with draft probabilities) are left alone: the
+    rejection sampler reads those probabilities. False when the drafter has no
+    _sample_draft_tokens. `rewrite` must not raise (the caller guards it)."""
+    drafter = getattr(runner, "drafter", None)
+    if drafter is None or not hasattr(drafter, "_sample_draft_tokens"):
+        return False
+    orig = drafter._sample_draft_tokens
+
+    def _sample_draft_tokens(hidden_states, sampling_metadata):
+        ids, probs = orig(hidden_states, sampling_metadata)
+        return (rewrite(hidden_states, ids) if probs is None else ids), probs
+
+    drafter._sample_draft_tokens = _sample_draft_tokens
+    return True
+
+
 def install_context_only_k0(runner: Any) -> bool:
     """Make vLLM's DFlash proposer take a context-only path when it is asked for 0 draft
     tokens (a K = 0 step of the budget's gate, or a plain feature-logging engine): the new

@@ -49,6 +49,7 @@ class InvariantVerifier:
     mode: str  # "seeded" or "all"
     salt: int = field(default_factory=lambda: secrets.randbits(62))
     covered_steps: int = 0  # request-steps rewritten
+    coupled_rows: int = 0  # request-steps whose drafts were drawn with the verifier's noise
     fallbacks: dict[str, int] = field(default_factory=dict)  # reason -> request-steps not covered
 
     # -- which requests ---------------------------------------------------------------------------
@@ -81,25 +82,76 @@ class InvariantVerifier:
         return all(isinstance(p, known) for p in (*procs.argmax_invariant,
                                                   *procs.non_argmax_invariant))
 
+    def _covered(self, batch: Any, sm: Any, count: bool = False) -> list[int]:
+        """Batch indices of the requests this mode verifies invariantly this step."""
+        if sm.all_greedy or sm.temperature is None:
+            return []
+        n = len(batch.req_ids)
+        temp = sm.temperature[:n].tolist()
+        rows = [i for i in range(n) if temp[i] >= _SAMPLING_EPS
+                and (self.mode == "all" or i in sm.generators)]
+        if rows and not self._position_independent(sm):
+            if count:
+                self._skip("logits processor", len(rows))
+            return []
+        return rows
+
+    # -- the drafter: the same noise -------------------------------------------------------------
+    def couple(self, runner: Any, proposer: Any, hidden: torch.Tensor,
+               draft_ids: torch.Tensor) -> torch.Tensor:
+        """Draft ids with the covered requests' rows redrawn as argmax(log q + G): the drafter's
+        distribution q (temperature and top-k/top-p as the request asks) under the same keyed
+        noise G the verifier will use at those positions. A greedy draft is accepted with
+        probability p(draft); a coupled one with at least (1 - TV) / (1 + TV), more where
+        the target spreads its mass (sampled traffic at temperature ~1). hidden: [B*K, H], the
+        drafter's rows request-major, as vLLM samples them."""
+        from vllm.v1.sample.ops.topk_topp_sampler import apply_top_k_top_p
+
+        from vllm_onlinespec.sampling.invariant import PLACEHOLDER
+
+        batch, sampled = runner.input_batch, getattr(runner, "_onlinespec_sampled", None)
+        sm = batch.sampling_metadata
+        n = len(batch.req_ids)
+        if sampled is None or n == 0 or hidden.shape[0] % n or draft_ids.numel() != hidden.shape[0]:
+            return draft_ids
+        rows = self._covered(batch, sm)
+        if not rows:
+            return draft_ids
+        k = hidden.shape[0] // n
+        dev = hidden.device
+        sel = torch.tensor([i * k + j for i in rows for j in range(k)], dtype=torch.long,
+                           device=dev)
+        q = proposer.model.compute_logits(hidden.index_select(0, sel)).to(torch.float32)
+        rix = torch.tensor(rows, dtype=torch.long, device=dev)
+        q = q / sm.temperature.to(dev)[rix].repeat_interleave(k)[:, None]
+        top_k = sm.top_k.to(dev)[rix].repeat_interleave(k) if sm.top_k is not None else None
+        top_p = sm.top_p.to(dev)[rix].repeat_interleave(k) if sm.top_p is not None else None
+        q = apply_top_k_top_p(q, top_k, top_p)
+        # The drafts follow this step's committed tokens: position = tokens before this step
+        # + tokens it committed (vLLM drafts DFlash before its bookkeeping) + j.
+        committed = (sampled[rows] != PLACEHOLDER).sum(dim=1).tolist()
+        positions = torch.tensor([int(batch.num_tokens_no_spec[i]) + c + j
+                                  for i, c in zip(rows, committed) for j in range(k)],
+                                 dtype=torch.int64, device=dev)
+        seeds = torch.tensor([self._seed_of(batch.req_ids[i], sm.generators.get(i))
+                              for i in rows for _ in range(k)], dtype=torch.int64, device=dev)
+        out = draft_ids.clone()
+        out.view(-1)[sel] = invariant_tokens(q, seeds, positions).to(out.dtype)
+        self.coupled_rows += len(rows)
+        return out
+
     # -- the step ------------------------------------------------------------------------------
     def before(self, runner: Any, logits: torch.Tensor, spec: Any) -> _Pending | None:
         """Called before vLLM samples: picks the covered requests and keeps their raw logits
         (vLLM's sampler may process `logits` in place)."""
         batch = runner.input_batch
         sm = batch.sampling_metadata
-        if (sm.all_greedy or sm.temperature is None
-                or getattr(runner, "rejection_sampler", None) is None):
+        if getattr(runner, "rejection_sampler", None) is None:
             return None
-        n = len(batch.req_ids)
-        temp = sm.temperature[:n].tolist()
-        gens = sm.generators
-        rows = [i for i in range(n) if temp[i] >= _SAMPLING_EPS
-                and (self.mode == "all" or i in gens)]
+        rows = self._covered(batch, sm, count=True)
         if not rows:
             return None
-        if not self._position_independent(sm):
-            self._skip("logits processor", len(rows))
-            return None
+        n, gens = len(batch.req_ids), sm.generators
         if spec is None:
             counts, drafts, idx = [0] * n, [[] for _ in range(n)], [[i] for i in range(n)]
         else:
