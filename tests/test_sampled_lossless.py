@@ -47,13 +47,14 @@ def engine_config(drafter: str, online: dict) -> dict:
                 additional_config={"onlinespec": online})
 
 
-def make_llm(target: str, drafter: str, online: dict):
+def make_llm(target: str, drafter: str, online: dict, **engine_over):
     from vllm import LLM
 
     from vllm_onlinespec.engine import engine_kwargs
 
     return LLM(model=target, dtype="float32", disable_log_stats=False,
-               **engine_kwargs(max_model_len=1024, max_num_batched_tokens=MAX_BATCHED),
+               **engine_kwargs(max_model_len=1024, max_num_batched_tokens=MAX_BATCHED,
+                               **engine_over),
                **engine_config(drafter, online))
 
 
