@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import subprocess
 import sys
 import time
@@ -108,12 +107,11 @@ def main() -> int:
             md.append(f"| {r['arm']} | {r['setting']} | {r['chi2']:.1f} / {r['df']} | "
                       f"{r['p_value']:.3g} | {r['z_top']:+.2f} | {r['top_observed']} / "
                       f"{r['top_expected']:.1f} |")
-    (out / "sampling.md").write_text("\n".join(md) + "\n")
-    (out / "sampling.json").write_text(json.dumps(rows, indent=1))
+    from vllm_onlinespec.bench.results import write_result_files
+
+    write_result_files(out, "sampling", md, rows,
+                       ROOT / "docs" / "results" if args.publish else None)
     print("\n".join(md))
-    if args.publish:
-        for n in ("sampling.md", "sampling.json"):
-            shutil.copy(out / n, ROOT / "docs" / "results" / n)
     return 0
 
 

@@ -22,7 +22,6 @@ import argparse
 import json
 import os
 import platform
-import shutil
 import statistics
 import subprocess
 import sys
@@ -179,12 +178,11 @@ def main() -> int:
                       f"drafts vLLM's rejection sampling accepts (accept_len "
                       f"{inv['accept_len']:.3f} vs {rej['accept_len']:.3f}), "
                       f"{inv['tok_s'] / rej['tok_s']:.2f}x its tok/s.")
-    (out / "seeded_sampling.md").write_text("\n".join(md) + "\n")
-    (out / "seeded_sampling.json").write_text(json.dumps(report, indent=1))
+    from vllm_onlinespec.bench.results import write_result_files
+
+    write_result_files(out, "seeded_sampling", md, report,
+                       ROOT / "docs" / "results" if args.publish else None)
     print("\n".join(md))
-    if args.publish:
-        for n in ("seeded_sampling.md", "seeded_sampling.json"):
-            shutil.copy(out / n, ROOT / "docs" / "results" / n)
     return 0
 
 

@@ -205,3 +205,18 @@ def _jsonable(x: Any) -> Any:
         return float(x)
     except (TypeError, ValueError):
         return str(x)
+
+
+def write_result_files(out: str | os.PathLike, name: str, md_lines: list[str], data: Any,
+                       publish_dir: str | os.PathLike | None = None) -> None:
+    """<out>/<name>.md and <name>.json (a benchmark's report), also copied into `publish_dir`
+    (docs/results) when given."""
+    import shutil
+
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{name}.md").write_text("\n".join(md_lines) + "\n")
+    (out / f"{name}.json").write_text(json.dumps(data, indent=1))
+    if publish_dir is not None:
+        for ext in ("md", "json"):
+            shutil.copy(out / f"{name}.{ext}", Path(publish_dir) / f"{name}.{ext}")
