@@ -20,6 +20,7 @@ processed ones are refused at start-up by validate.py).
 from __future__ import annotations
 
 import hashlib
+import itertools
 import secrets
 from dataclasses import dataclass, field, replace
 from types import SimpleNamespace
@@ -31,6 +32,15 @@ from vllm_onlinespec.sampling.invariant import invariant_tokens, verify_rows
 
 _SAMPLING_EPS = 1e-5  # vLLM's: below it a temperature means greedy
 _SEED_MASK = (1 << 63) - 1  # seeds travel as int64
+
+
+def _constrained(x: torch.Tensor, counts: list[int], sm: Any) -> torch.Tensor:
+    """vLLM's temperature and top-k/top-p on rows laid out `counts[i]` per batch request i
+    (request-major), as its rejection sampler applies them to draft positions."""
+    from vllm.v1.sample.rejection_sampler import apply_sampling_constraints
+
+    cu = torch.tensor(counts, dtype=torch.int64).cumsum(0).to(torch.int32).to(x.device)
+    return apply_sampling_constraints(x, cu, sm)
 
 
 @dataclass
@@ -105,8 +115,6 @@ class InvariantVerifier:
         probability p(draft); a coupled one with at least (1 - TV) / (1 + TV), more where
         the target spreads its mass (sampled traffic at temperature ~1). hidden: [B*K, H], the
         drafter's rows request-major, as vLLM samples them."""
-        from vllm.v1.sample.ops.topk_topp_sampler import apply_top_k_top_p
-
         from vllm_onlinespec.sampling.invariant import PLACEHOLDER
 
         batch, sampled = runner.input_batch, getattr(runner, "_onlinespec_sampled", None)
@@ -122,11 +130,8 @@ class InvariantVerifier:
         sel = torch.tensor([i * k + j for i in rows for j in range(k)], dtype=torch.long,
                            device=dev)
         q = proposer.model.compute_logits(hidden.index_select(0, sel)).to(torch.float32)
-        rix = torch.tensor(rows, dtype=torch.long, device=dev)
-        q = q / sm.temperature.to(dev)[rix].repeat_interleave(k)[:, None]
-        top_k = sm.top_k.to(dev)[rix].repeat_interleave(k) if sm.top_k is not None else None
-        top_p = sm.top_p.to(dev)[rix].repeat_interleave(k) if sm.top_p is not None else None
-        q = apply_top_k_top_p(q, top_k, top_p)
+        covered = set(rows)
+        q = _constrained(q, [k if i in covered else 0 for i in range(n)], sm)
         # The drafts follow this step's committed tokens: position = tokens before this step
         # + tokens it committed (vLLM drafts DFlash before its bookkeeping) + j.
         committed = (sampled[rows] != PLACEHOLDER).sum(dim=1).tolist()
@@ -151,25 +156,24 @@ class InvariantVerifier:
         rows = self._covered(batch, sm, count=True)
         if not rows:
             return None
-        n, gens = len(batch.req_ids), sm.generators
-        if spec is None:
-            counts, drafts, idx = [0] * n, [[] for _ in range(n)], [[i] for i in range(n)]
-        else:
+        gens = sm.generators
+        if spec is None:  # a plain step: row i is request i's one position
+            drafts, take = [[] for _ in rows], list(rows)
+        else:  # request i: its target rows, then its bonus row
             counts = list(spec.num_draft_tokens)
+            starts = [0, *itertools.accumulate(counts)]
             flat = spec.draft_token_ids.tolist()
             tgt = spec.target_logits_indices.tolist()
             bonus = spec.bonus_logits_indices.tolist()
-            starts = [sum(counts[:i]) for i in range(n)]
-            drafts = [flat[starts[i]:starts[i] + counts[i]] for i in range(n)]
-            idx = [tgt[starts[i]:starts[i] + counts[i]] + [bonus[i]] for i in range(n)]
-        take = torch.tensor([j for i in rows for j in idx[i]], dtype=torch.long,
-                            device=logits.device)
+            drafts = [flat[starts[i]:starts[i + 1]] for i in rows]
+            take = [j for i in rows for j in (*tgt[starts[i]:starts[i + 1]], bonus[i])]
         return _Pending(
             rows=rows,
             seeds=[self._seed_of(batch.req_ids[i], gens.get(i)) for i in rows],
             positions=[int(batch.num_tokens_no_spec[i]) for i in rows],
-            drafts=[drafts[i] for i in rows],
-            raw=logits.index_select(0, take).to(torch.float32),
+            drafts=drafts,
+            raw=logits.index_select(0, torch.tensor(take, dtype=torch.long,
+                                                    device=logits.device)).to(torch.float32),
             full_raw=(logits.to(torch.float32).clone() if sm.max_num_logprobs is not None
                       else None))
 
@@ -203,8 +207,6 @@ class InvariantVerifier:
         """The covered rows' logits processed as vLLM processes a draft position: every
         position (the bonus one and a plain step's included) is treated as one, with the
         request's earlier drafts counted as output."""
-        from vllm.v1.sample.rejection_sampler import apply_sampling_constraints
-
         per_row = dict(zip(pending.rows, pending.drafts))
         counts = [len(per_row[i]) + 1 if i in per_row else 0 for i in range(n)]
         # spec tokens: the drafts and one placeholder, so that vLLM's penalty and bad-words
@@ -213,8 +215,7 @@ class InvariantVerifier:
         sm_j = replace(sm, spec_token_ids=spec_ids)
         meta = SimpleNamespace(num_draft_tokens=counts)
         x = rs.apply_logits_processors(pending.raw.clone(), sm_j, meta)
-        cu = torch.tensor(counts, dtype=torch.int32).cumsum(0).to(torch.int32).to(x.device)
-        return apply_sampling_constraints(x, cu, sm_j)
+        return _constrained(x, counts, sm_j)
 
     @staticmethod
     def _logprobs(runner: Any, sm: Any, spec: Any, raw: torch.Tensor, sampled: torch.Tensor):
