@@ -116,3 +116,20 @@ def test_the_mode_follows_what_changes_drafts():
     assert mode({"sampling": {"invariant": "all"}}) == "all"
     with pytest.raises(ConfigError, match="sampling.invariant"):
         OnlineSpecConfig.from_any({"sampling": {"invariant": "sometimes"}})
+
+
+def test_all_mode_is_refused_under_tensor_parallelism():
+    from types import SimpleNamespace
+
+    from vllm_onlinespec.serving.validate import config_from_vllm
+
+    def vllm_config(mode, tp):
+        spec = SimpleNamespace(method="dflash", num_speculative_tokens=4, draft_sample_method="greedy")
+        return SimpleNamespace(speculative_config=spec,
+                               parallel_config=SimpleNamespace(tensor_parallel_size=tp),
+                               additional_config={"onlinespec": {"sampling": {"invariant": mode}}})
+
+    assert config_from_vllm(vllm_config("all", 1)).invariant_sampling == "all"
+    assert config_from_vllm(vllm_config("seeded", 2)).invariant_sampling == "seeded"
+    with pytest.raises(ConfigError, match="tensor parallelism"):
+        config_from_vllm(vllm_config("all", 2))

@@ -76,7 +76,7 @@ class OnlineSpecRunnerMixin:
     def _install_coupled_drafts(self) -> None:
         """Sampled requests' drafts drawn with the verifier's noise (compat/invariant_sampling.py
         `couple`). Not under tensor parallelism: the drafter's logits are gathered on one rank."""
-        if int(getattr(self.parallel_config, "tensor_parallel_size", 1) or 1) > 1:
+        if compat.tensor_parallel_size(self.vllm_config) > 1:
             return
         inv, guard = self._onlinespec_invariant, self._onlinespec_guard
 

@@ -38,6 +38,11 @@ def config_from_vllm(vllm_config: Any) -> OnlineSpecConfig:
         raise ConfigError(
             f"onlinespec.sampling.invariant: needs a raw --logprobs-mode (got "
             f"{vc.logprobs_mode(vllm_config)!r}); set it to 'off' to keep processed logprobs")
+    if cfg.invariant_sampling == "all" and vc.tensor_parallel_size(vllm_config) > 1:
+        # An unseeded request's seed is drawn per process: ranks would sample different tokens.
+        raise ConfigError(
+            "onlinespec.sampling.invariant: 'all' is not supported with tensor parallelism "
+            f"(--tensor-parallel-size {vc.tensor_parallel_size(vllm_config)}); use 'seeded'")
     if cfg.drafter_tokens is not None and cfg.drafter_tokens > k:
         raise ConfigError(f"onlinespec.drafter_tokens: must be <= num_speculative_tokens = {k} "
                           f"(got {cfg.drafter_tokens})")

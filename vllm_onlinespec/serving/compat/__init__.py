@@ -38,7 +38,8 @@ from vllm_onlinespec.serving.compat.vllm_config import (WORKER_QUALNAME, additio
                                                         gpu_memory_utilization,
                                                         draft_model_path, num_speculative_tokens,
                                                         ours_requested, served_hf_config,
-                                                        spec_method, target_hidden_size)
+                                                        spec_method, target_hidden_size,
+                                                        tensor_parallel_size)
 from vllm_onlinespec.serving.compat.workers import (base_runner_class, base_worker_class,
                                                     cpu_worker_builds, is_cpu, time_target_steps)
 
@@ -50,6 +51,6 @@ __all__ = [
     "draft_model_path", "draft_token_ids_type", "gpu_memory_utilization", "drafter_loading", "drafter_module",
     "install_context_only_k0", "is_cpu",
     "load_draft_weights", "num_speculative_tokens", "own_features", "target_hidden_size", "ours_requested", "preload_intel_openmp",
-    "read_draft_weights", "repack_drafter_linears", "request_tokens", "seeded_requests", "spec_method", "step_token_counts", "step_view", "tokens_before_bookkeeping", "with_spec_tokens", "target_embed_and_head",
+    "read_draft_weights", "repack_drafter_linears", "request_tokens", "seeded_requests", "spec_method", "step_token_counts", "step_view", "tokens_before_bookkeeping", "with_spec_tokens", "target_embed_and_head", "tensor_parallel_size",
     "time_target_steps", "wrap_draft_ids", "wrap_draft_sampler", "wrap_drafter_load",
 ]

@@ -65,6 +65,11 @@ def draft_sample_method(vllm_config: Any) -> str:
     return str(getattr(spec, "draft_sample_method", "greedy") or "greedy")
 
 
+def tensor_parallel_size(vllm_config: Any) -> int:
+    return int(getattr(getattr(vllm_config, "parallel_config", None), "tensor_parallel_size", 1)
+               or 1)
+
+
 def logprobs_mode(vllm_config: Any) -> str:
     """vLLM's --logprobs-mode ('raw_logprobs' by default)."""
     model = getattr(vllm_config, "model_config", None)
