@@ -7,17 +7,26 @@
    for the device; the tests pick CUDA when it is available).
 2. loss: fused Triton loss vs the PyTorch reference (and the chunked one) for a Qwen3-8B-shaped
    drafter (h 4096, V 151936, blocks of 16): time per forward+backward, peak memory.
-3. learner: one online update of a Qwen3-8B-shaped DFlash drafter (5 layers, random weights,
-   bf16) built by build_learner on the GPU, on 128 sequences of 512 tokens of fake features
-   (4 blocks per sequence): time per update and per snapshot (CUDA events), publish time (the
-   device-to-device copy of the snapshot into a second drafter standing in for vLLM's, on
-   another stream after Snapshot.wait_ready), peak memory.
+3. learner: online updates of a Qwen3-8B-shaped DFlash drafter (5 layers, random weights)
+   built by build_learner on the GPU, bf16 and float32 learners, on 128 sequences of 512 tokens
+   of fake features (4 blocks per sequence), beside a stand-in KV cache: after the learner is
+   built (its state reserved, as serving builds it before vLLM profiles memory), a dummy
+   allocation takes 90 % of the device less what is allocated, as vLLM's KV cache would, and
+   the updates run in what is left (a learner `check_fits` refuses is reported as refused).
+   Time per update and per snapshot (CUDA events), publish time (the device-to-device copy of
+   the snapshot into a second drafter standing in for vLLM's, on another stream after
+   Snapshot.wait_ready), peak memory, the footprint the learner stated.
 4. feedback copy: one step's committed rows (aux features of 5 target layers, final hidden
    states, ids) copied out of the runner's buffers by serving/feedback.records_from_step,
    synchronously (pageable) and asynchronously (pinned, handed on by FeedbackPipe a step later):
    the host time each call holds the serving thread, and the async records equal the sync ones.
+5. graphs (CUDA only): two graphs captured in one memory pool, the first's output kept as a
+   non-owning alias (as vLLM keeps its outputs): does the second's replay overwrite it, and is a
+   copy taken between the replays right; and weights copied in place into a captured graph's
+   parameters on another stream: does the next replay use them.
 
-Writes <out>/gpu.json and <out>/gpu.md (default docs/results). Any failed check makes the exit
+Writes <out>/gpu.json and <out>/gpu.md (default docs/results; with --smoke a temporary
+folder). Any failed check makes the exit
 status non-zero, after the other checks ran. What the device image lacks (vLLM, pydantic) is
 blocked on import for the whole run, here too: the smoke run imports what the device run can.
 """
@@ -116,6 +125,7 @@ class Shapes:
     learner_dtypes: list[str]
     updates: int
     kernel_test_args: list[str]
+    utilization: float = 0.9  # the share of the device vLLM's KV cache is sized to (its default)
 
 
 FULL = Shapes(
@@ -125,7 +135,7 @@ FULL = Shapes(
                  num_attention_heads=32, num_key_value_heads=8, head_dim=128, vocab_size=151936,
                  target_layer_ids=[1, 9, 17, 25, 33], mask_token_id=151669, block_size=16,
                  rope_theta=1_000_000.0, torch_dtype="bfloat16"),
-    seqs=128, seq_len=512, anchors=4, learner_dtypes=["bfloat16"], updates=3,
+    seqs=128, seq_len=512, anchors=4, learner_dtypes=["bfloat16", "float32"], updates=3,
     kernel_test_args=[])
 SMOKE = Shapes(
     device="cpu", loss_h=64, loss_v=1000, loss_ns=[64, 128], loss_impls=["naive", "chunked"],
@@ -149,6 +159,7 @@ class Report:
     loss: list[dict] = field(default_factory=list)
     learner: list[dict] = field(default_factory=list)
     feedback: list[dict] = field(default_factory=list)
+    graphs: dict = field(default_factory=dict)
     failures: list[str] = field(default_factory=list)
 
 
@@ -296,6 +307,8 @@ def check_learner(s: Shapes, rep: Report, workdir: Path) -> None:
     tdt = torch.bfloat16 if dev.type == "cuda" else torch.float32
     embed = (torch.randn(V, H, device=dev, dtype=tdt) * 0.02)
     lm_head = (torch.randn(V, H, device=dev, dtype=tdt) * (2.0 / H**0.5))
+    from vllm_onlinespec.learner.memory import check_fits
+
     for dtype in s.learner_dtypes:
         row: dict = dict(learner_dtype=dtype, seqs=s.seqs, seq_len=s.seq_len,
                          blocks=s.seqs * s.anchors, loss_rows=s.seqs * s.anchors * dcfg.num_draft_tokens)
@@ -309,9 +322,29 @@ def check_learner(s: Shapes, rep: Report, workdir: Path) -> None:
             assert all(p.device.type == dev.type for p in learner.params)
             n_params = sum(p.numel() for p in learner.params)
             row.update(params_m=round(n_params / 1e6, 1), loss_impl=learner.loss_fn.impl)
+            fp = parts.footprint
+            row.update(stated_steady_mib=round(fp.steady / 2**20, 1),
+                       stated_peak_mib=round(fp.peak / 2**20, 1))
             batch = fake_batch(s, dcfg, s.device, gen)
+            hold = None
             if dev.type == "cuda":
+                # Co-residency as serving has it: the learner's state exists before vLLM
+                # profiles, then the KV cache takes gpu_memory_utilization of the device less
+                # what is allocated; the updates must run in what is left.
+                try:
+                    check_fits(fp, dev, s.utilization)
+                except MemoryError as e:  # the designed outcome for a learner that cannot fit
+                    row["refused"] = str(e)
+                    say(f"    {dtype}: refused before serving: {e}")
+                    rep.learner.append(row)
+                    del parts, learner, batch
+                    torch.cuda.empty_cache()
+                    continue
                 torch.cuda.synchronize()
+                _, total = torch.cuda.mem_get_info(dev)
+                held = int(s.utilization * total) - torch.cuda.memory_reserved(dev)
+                hold = torch.empty(max(held, 0), dtype=torch.uint8, device=dev)
+                row["held_mib"] = round(hold.numel() / 2**20)
                 torch.cuda.reset_peak_memory_stats()
                 base = torch.cuda.memory_allocated()
             ups, snaps, walls = [], [], []
@@ -352,7 +385,7 @@ def check_learner(s: Shapes, rep: Report, workdir: Path) -> None:
                 raise RuntimeError("published weights differ from the learner's")
             row["publish_ms"] = statistics.median(pubs)
             row["publish_mib"] = sum(p.numel() * p.element_size() for p in learner.params) / 2**20
-            del served, target, parts, learner, batch
+            del served, target, parts, learner, batch, hold
         except Exception as e:  # noqa: BLE001 - reported, and the exit status says so
             traceback.print_exc()
             row["error"] = f"{type(e).__name__}: {e}"
@@ -370,8 +403,6 @@ class _null:
     def __exit__(self, *a):
         return False
 
-
-# ------------------------------------------------------------------------------ output
 
 # ------------------------------------------------------------------------------ 4. feedback copy
 
@@ -422,6 +453,76 @@ def check_feedback_copy(s: Shapes, rep: Report) -> None:
             rep.failures.append(f"feedback copy ({reqs} requests): async records differ from sync")
 
 
+# ------------------------------------------------------------------------------ 5. CUDA graphs
+
+class _Alias:
+    """A tensor's memory without its ownership, as vLLM's `weak_ref_tensor` keeps a graph's
+    outputs: the caching allocator may hand that memory to the next graph captured in the pool."""
+
+    def __init__(self, t: torch.Tensor):
+        self.__cuda_array_interface__ = t.__cuda_array_interface__
+
+
+def check_graphs(s: Shapes, rep: Report) -> None:
+    """(a) Two graphs in one memory pool, the first's output kept only as a non-owning alias
+    (vLLM's target model and its drafter): does replaying the second overwrite the first's
+    output, and does a copy taken between the two replays (what serving/feedback does before
+    the drafter runs) keep the right values? (b) Weights copied in place into a captured graph's
+    parameters (the publish path): does the next replay compute with the new weights?"""
+    if s.device != "cuda":
+        rep.graphs = {"skipped": "CUDA graphs need a CUDA device"}
+        say("[5] graphs: skipped (needs CUDA)")
+        return
+    dev = torch.device("cuda")
+    n, h = 64, s.drafter["hidden_size"]
+    g = torch.Generator(device=dev).manual_seed(0)
+    x = torch.randn(n, h, device=dev, generator=g)
+    w1, w2 = (torch.randn(h, h, device=dev, generator=g) / h**0.5 for _ in range(2))
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up off the capture, as torch.cuda.graphs asks
+        for _ in range(2):
+            (x @ w1).tanh_()
+    torch.cuda.current_stream().wait_stream(side)
+    pool = torch.cuda.graph_pool_handle()
+    g1, g2 = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g1, pool=pool):
+        y1 = (x @ w1).tanh_()
+    out1 = torch.as_tensor(_Alias(y1), device=dev)  # what the runner's step view holds
+    y1_ptr = y1.data_ptr()
+    del y1
+    with torch.cuda.graph(g2, pool=pool):  # the drafter: its own output and intermediates
+        t = (x @ w2).relu_()
+        y2 = t * 3.0 + 1.0
+    want = (x @ w1).tanh_()
+    g1.replay()
+    copied = out1.clone()  # the feedback copy, before the drafter's replay
+    g2.replay()
+    torch.cuda.synchronize()
+    overwritten = not torch.equal(out1, want)
+    copy_ok = torch.allclose(copied, want, atol=1e-5, rtol=1e-5)
+    res = {"n": n, "hidden": h, "shares_memory": y1_ptr in (t.data_ptr(), y2.data_ptr()),
+           "output_overwritten_by_second_replay": overwritten, "copy_before_second_replay_ok": copy_ok}
+    # (b) publish into the captured weights: an in-place copy on another stream, then replay
+    w_new = torch.randn(h, h, device=dev, generator=g) / h**0.5
+    pub = torch.cuda.Stream()
+    with torch.cuda.stream(pub):
+        w2.copy_(w_new)
+    torch.cuda.current_stream().wait_stream(pub)  # vLLM's step waits on the publish event
+    g2.replay()
+    torch.cuda.synchronize()
+    res["replay_sees_published_weights"] = torch.allclose(y2, (x @ w_new).relu_() * 3.0 + 1.0,
+                                                          atol=1e-4, rtol=1e-4)
+    rep.graphs = res
+    say(f"[5] graphs: {json.dumps(res)}")
+    if not copy_ok:
+        rep.failures.append("graphs: the feature copy taken between the replays is wrong")
+    if not res["replay_sees_published_weights"]:
+        rep.failures.append("graphs: a replay after publish does not compute with the new weights")
+
+
+# ------------------------------------------------------------------------------ output
+
 def write(rep: Report, out: Path, command: str) -> None:
     out.mkdir(parents=True, exist_ok=True)
     d = dataclasses.asdict(rep)
@@ -442,15 +543,18 @@ def write(rep: Report, out: Path, command: str) -> None:
                      f"{_cell(r.get('loss'), 5)} | {_cell(r.get('max_grad_diff_vs_first'), 3, True)}"
                      + (" (OOM)" if r.get("oom") else "") + " |")
     lines += ["", "## 3. One online update of the drafter on the device", "",
-              "| learner dtype | params (M) | loss impl | blocks | loss rows | update ms | "
-              "snapshot ms | publish ms | publish MiB | peak MiB | error |",
-              "|---|---|---|---|---|---|---|---|---|---|---|"]
+              "| learner dtype | params (M) | loss impl | blocks | loss rows | held by the "
+              "stand-in KV cache (MiB) | stated footprint, held / at peak (MiB) | update ms | "
+              "snapshot ms | publish ms | publish MiB | peak MiB | error or refusal |",
+              "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rep.learner:
         lines.append(f"| {r['learner_dtype']} | {r.get('params_m', '-')} | {r.get('loss_impl', '-')} | "
-                     f"{r['blocks']} | {r['loss_rows']} | {_cell(r.get('update_ms'), 1)} | "
+                     f"{r['blocks']} | {r['loss_rows']} | {r.get('held_mib', '-')} | "
+                     f"{r.get('stated_steady_mib', '-')} / {r.get('stated_peak_mib', '-')} | "
+                     f"{_cell(r.get('update_ms'), 1)} | "
                      f"{_cell(r.get('snapshot_ms'), 2)} | {_cell(r.get('publish_ms'), 2)} | "
                      f"{_cell(r.get('publish_mib'), 0)} | {_cell(r.get('peak_mib'), 0)} | "
-                     f"{r.get('error', '')} |")
+                     f"{r.get('error', r.get('refused', ''))} |")
     lines += ["", "Update/snapshot ms: CUDA events on the learner's stream (host clock on CPU), "
               "median of the updates after a warm-up one. Publish: Snapshot.wait_ready, then a "
               "device-to-device copy_ into a second drafter on another stream (vLLM's "
@@ -467,6 +571,8 @@ def write(rep: Report, out: Path, command: str) -> None:
               "for); async: the call with pinned non-blocking copies (what it waits for now), and "
               "until the records are usable (FeedbackPipe hands them on a step later). Host "
               "clock, median of 5 after a warm-up.", ""]
+    lines += ["## 5. CUDA graphs: a shared memory pool and publishing into captured weights", ""]
+    lines += [f"- {k}: {v}" for k, v in rep.graphs.items()] + [""]
     if rep.failures:
         lines += ["## Failures", ""] + [f"- {f}" for f in rep.failures] + [""]
     (out / "gpu.md").write_text("\n".join(lines))
@@ -481,8 +587,10 @@ def _cell(x, prec, e=False) -> str:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU (for the unit test)")
-    ap.add_argument("--out", default=str(REPO / "docs" / "results"))
-    ap.add_argument("--skip", default="", help="comma-separated checks to skip: kernels,loss,learner,feedback")
+    ap.add_argument("--out", default=None,
+                    help="folder for gpu.json/gpu.md (default: docs/results on a device; a new "
+                         "temporary folder with --smoke, whose figures are not measurements)")
+    ap.add_argument("--skip", default="", help="comma-separated checks to skip: kernels,loss,learner,feedback,graphs")
     ap.add_argument("--learner-dtypes", default="", help="e.g. bfloat16,float32 (default: bfloat16)")
     ap.add_argument("--imports-only", action="store_true",
                     help="step [0] only: import what the checks use, without " + ", ".join(ABSENT_ON_DEVICE))
@@ -499,6 +607,8 @@ def main(argv=None) -> int:
         say("gpu_check: TRITON_INTERPRET is set: unsetting it for the kernel tests; this process "
             "would run interpreted kernels, so it refuses")
         return 2
+    out = Path(a.out) if a.out else (Path(tempfile.mkdtemp(prefix="gpu_check-smoke-")) if a.smoke
+                                     else REPO / "docs" / "results")
     skip = set(filter(None, a.skip.split(",")))
     try:
         import triton
@@ -515,6 +625,7 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory(prefix="gpu_check-") as tmp:
         checks.append(("learner", lambda: check_learner(s, rep, Path(tmp))))
         checks.append(("feedback", lambda: check_feedback_copy(s, rep)))
+        checks.append(("graphs", lambda: check_graphs(s, rep)))
         for key, run in checks:
             if key in skip:
                 continue
@@ -526,8 +637,8 @@ def main(argv=None) -> int:
                 rep.failures.append(f"{key}: {type(e).__name__}: {e}")
             say(f"    ({key}: {time.perf_counter() - c0:.1f} s)")
     command = "benchmarks/gpu_check.sh" + (" --smoke" if a.smoke else "")
-    write(rep, Path(a.out), command)
-    say(f"gpu_check: wrote {a.out}/gpu.json and gpu.md in {time.perf_counter() - t0:.0f} s")
+    write(rep, out, command)
+    say(f"gpu_check: wrote {out}/gpu.json and gpu.md in {time.perf_counter() - t0:.0f} s")
     if rep.failures:
         say("gpu_check: FAILED:\n  " + "\n  ".join(rep.failures))
         return 1

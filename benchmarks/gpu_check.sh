@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The GPU checks of /work/shared/gpu/README.md: kernel tests on the device, fused
-# loss vs reference, one online update of a Qwen3-8B-shaped drafter. Needs torch + triton +
+# loss vs reference, online updates of a Qwen3-8B-shaped drafter beside a stand-in KV cache,
+# the feedback copy, CUDA-graph pool and publish probes. Needs torch + triton +
 # safetensors; no vLLM, no pydantic, no install: run from anywhere, e.g.
 #   timeout 480 benchmarks/gpu_check.sh            # GPU machine: writes docs/results/gpu.{json,md}
 #   benchmarks/gpu_check.sh --smoke --out /tmp/x   # CPU, tiny shapes (tests/test_gpu_check.py)

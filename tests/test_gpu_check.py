@@ -27,6 +27,8 @@ def test_gpu_check_smoke_runs_on_cpu(tmp_path):
     assert all(row["ms"] > 0 for row in rep["loss"])
     (row,) = rep["learner"]
     assert "error" not in row and row["update_ms"] > 0 and row["publish_ms"] >= 0
+    assert 0 < row["stated_steady_mib"] <= row["stated_peak_mib"]  # the footprint the learner states
+    assert rep["graphs"] == {"skipped": "CUDA graphs need a CUDA device"}
     assert "| float32 |" in (tmp_path / "gpu.md").read_text()
     (fb,) = rep["feedback"]
     assert fb["equal"] and fb["rows"] == 6 and fb["sync_ms"] > 0
@@ -38,3 +40,16 @@ def test_gpu_check_refuses_vllm_imports():
     r = subprocess.run([sys.executable, "-c", code, str(REPO / "benchmarks" / "gpu_check.py")],
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 0 and "blocked" in r.stdout, r.stderr
+
+
+def test_gpu_check_smoke_writes_outside_the_results_folder(tmp_path):
+    """A smoke run's figures are not measurements: without --out they go to a new temporary
+    folder, never over docs/results/gpu.{json,md} where a device run's results belong."""
+    before = {p: p.stat().st_mtime for p in (REPO / "docs" / "results").glob("gpu.*")}
+    r = subprocess.run([sys.executable, str(REPO / "benchmarks" / "gpu_check.py"), "--smoke",
+                        "--skip", "kernels,loss,learner,feedback"], cwd=tmp_path,
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    wrote = [ln for ln in r.stdout.splitlines() if ln.startswith("gpu_check: wrote ")]
+    assert wrote and "gpu_check-smoke-" in wrote[0]
+    assert {p: p.stat().st_mtime for p in (REPO / "docs" / "results").glob("gpu.*")} == before
