@@ -156,7 +156,7 @@ def tune_table(run: Path) -> list[dict]:
                 online = rep.get("meta", {}).get("online") or {}
                 rows.append({"kind": kind, "setting": name, "seed": s,
                              "lr": name if kind == "lr" else
-                             online.get("lr", "-") if kind == "learn" else "-",
+                             online.get("update", {}).get("lr", online.get("lr", "-")) if kind == "learn" else "-",
                              "learner_updates": r["learner_updates"],
                              **{k: r[k] for k in FIGS[:4]}})
     return rows

@@ -34,10 +34,13 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-# The CPU serving recipe of this project's worker with learning off (README): the budget
-# verify policy (it may verify nothing where a draft does not pay) and prompt lookup.
-SERVING_RECIPE = {"enabled": False, "length_head": {"policy": "budget", "k_min": 0},
-                  "prompt_lookup": {"enabled": True}}
+from vllm_onlinespec.presets import SERVING_CPU
+
+# This project's worker with learning off and the `cpu` preset's serving half (budget verify
+# policy: it may verify nothing where a draft does not pay), with vLLM's ngram rule as lookup
+# source (`recipe`) or the preset's suffix tree (`recipe-tree`).
+RECIPE_TREE = {"enabled": False, **SERVING_CPU}
+SERVING_RECIPE = {**RECIPE_TREE, "prompt_lookup": {"enabled": True, "source": "ngram"}}
 COUNTERS = {"accepted": "vllm:spec_decode_num_accepted_tokens",
             "drafts": "vllm:spec_decode_num_drafts"}
 
@@ -114,8 +117,7 @@ def run_engine(arm: ArmConf, prompts: list[dict], n1: int, n8: int, max_tokens: 
     if arm.method == "recipe":
         kw["additional_config"] = {"onlinespec": SERVING_RECIPE}
     elif arm.method == "recipe-tree":  # the recipe with SuffixDecoding's trees as lookup source
-        kw["additional_config"] = {"onlinespec": {**SERVING_RECIPE, "prompt_lookup": {
-            "enabled": True, "source": "suffix_tree"}}}
+        kw["additional_config"] = {"onlinespec": RECIPE_TREE}
     elif arm.method == "suffix":
         kw["speculative_config"] = {"method": "suffix", "num_speculative_tokens": arm.k}
     elif arm.method == "ngram":

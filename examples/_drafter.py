@@ -1,48 +1,27 @@
-"""Which DFlash drafter the CPU examples start from (prints its path when run as a script).
-
-The trained default (`vllm-onlinespec train --recipe smollm2-default`, or `make demo`'s) if it is
-in the cache; otherwise a randomly initialised 1-layer drafter, so the examples run on a fresh
-machine too: online learning then starts from scratch, acceptance starts near zero.
+"""What the CPU examples serve (prints the drafter's path, or with --k vLLM's
+num_speculative_tokens, when run as a script): the shipped SmolLM2 drafter
+(`vllm-onlinespec model drafter smollm2-135m`) and the `cpu` preset's K
+(vllm_onlinespec/presets.py: the suffix tree drafts up to 16 tokens, the drafter its own block).
 """
 
 from __future__ import annotations
 
 import sys
-from pathlib import Path
+
+PRESET = "cpu"
 
 
 def default_drafter() -> str:
-    from vllm_onlinespec.models import cache_dir, pull
+    from vllm_onlinespec.models import shipped_drafter
 
-    trained = cache_dir() / "drafters" / "smollm2-default"
-    if (trained / "config.json").is_file():
-        return str(trained)
-    fresh = cache_dir() / "drafters" / "random-smollm2-b5"
-    if not (fresh / "config.json").is_file():
-        import torch
-        from transformers import AutoConfig
-
-        from vllm_onlinespec.drafter import DFlashConfig, DFlashDrafter, save_drafter
-
-        print(f"no trained drafter at {trained}; writing a random one to {fresh}", file=sys.stderr)
-        target = pull("smollm2-135m")
-        cfg = DFlashConfig.for_target(AutoConfig.from_pretrained(target), mask_token_id=16,
-                                      num_layers=1, num_target_features=3, block_size=5,
-                                      torch_dtype="float32")
-        torch.manual_seed(0)
-        save_drafter(fresh, cfg, DFlashDrafter(cfg))
-    return str(fresh)
+    return str(shipped_drafter("smollm2-135m"))
 
 
-def num_speculative_tokens(drafter: str) -> int:
-    import json
+def num_speculative_tokens() -> int:
+    from vllm_onlinespec.presets import PRESET_K
 
-    from vllm_onlinespec.drafter import DFlashConfig
-
-    cfg = json.loads((Path(drafter) / "config.json").read_text())
-    return DFlashConfig.from_hf_dict(cfg).block_size - 1
+    return PRESET_K[PRESET]
 
 
 if __name__ == "__main__":
-    d = default_drafter()
-    print(d if "--k" not in sys.argv else num_speculative_tokens(d))
+    print(num_speculative_tokens() if "--k" in sys.argv else default_drafter())

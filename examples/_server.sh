@@ -1,13 +1,14 @@
 # Sourced by the shell examples: SmolLM2 + a DFlash drafter under `vllm serve`, in the background.
 #   start_server ADDITIONAL_CONFIG_JSON [extra `vllm serve` flags]
-# Env: PORT, DRAFTER (default: see _drafter.py), LOG. Sets TARGET, DRAFTER, SERVER (pid); stops
+# Env: PORT, DRAFTER (default: the shipped drafter, see _drafter.py), K, LOG. Sets TARGET, DRAFTER, SERVER (pid); stops
 # the server on exit (SIGINT, so the learner writes its final checkpoint).
 start_server() {
   TARGET=$(vllm-onlinespec model path smollm2-135m)
   vllm-onlinespec model pull smollm2-135m >/dev/null
   DRAFTER=${DRAFTER:-$(python _drafter.py)}
   local k engine_args
-  k=$(DRAFTER_PATH="$DRAFTER" python -c "import os,_drafter; print(_drafter.num_speculative_tokens(os.environ['DRAFTER_PATH']))")
+  # vLLM's K for the cpu preset: the suffix tree drafts up to 16 tokens, the drafter its own block.
+  k=${K:-$(python _drafter.py --k)}
   # Same CPU defaults as the library's engine_kwargs(): eager mode, explicit 1 GiB KV cache.
   engine_args=$(python -c "from vllm_onlinespec.engine import serve_args; print(' '.join(serve_args()))")
   # bfloat16 where the hardware computes it (GPU, AVX512-BF16/AMX), else float32 (DTYPE overrides).

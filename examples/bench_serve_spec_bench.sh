@@ -4,7 +4,8 @@
 #   examples/bench_serve_spec_bench.sh PATH/TO/question.jsonl [NUM_PROMPTS] [CONCURRENCY]
 #
 # Spec-Bench's question.jsonl: https://github.com/hemingkx/Spec-Bench (data/spec_bench/).
-# Env: DRAFTER, PORT (8001), OUTPUT_LEN (128), POLICY (fixed|adaflash|budget, default adaflash).
+# Env: DRAFTER, PORT (8001), OUTPUT_LEN (128). Serves the recommended CPU configuration (the
+# `cpu` preset: budget verify policy, suffix-tree lookup, K = 16).
 # For the full concurrency sweep with a table and plot: `vllm-onlinespec bench-serve`.
 set -euo pipefail
 SPEC_BENCH=$(realpath "${1:?usage: $0 PATH/TO/question.jsonl [NUM_PROMPTS] [CONCURRENCY]}")
@@ -13,10 +14,9 @@ CONCURRENCY=${3:-4}
 cd "$(dirname "$0")"
 PORT=${PORT:-8001}
 OUTPUT_LEN=${OUTPUT_LEN:-128}
-POLICY=${POLICY:-adaflash}
 LOG=${LOG:-/tmp/vllm-onlinespec-bench-$PORT.log}
 source _server.sh
-start_server "{\"onlinespec\": {\"lr\": 3e-4, \"length_head\": {\"policy\": \"$POLICY\"}}}"
+start_server '{"onlinespec": {"preset": "cpu"}}'
 vllm bench serve --base-url "http://127.0.0.1:$PORT" --model smollm2 --tokenizer "$TARGET" \
   --dataset-name spec_bench --dataset-path "$SPEC_BENCH" --spec-bench-output-len "$OUTPUT_LEN" \
   --num-prompts "$NUM_PROMPTS" --max-concurrency "$CONCURRENCY" --temperature 0 --seed 0 \

@@ -13,7 +13,7 @@ from __future__ import annotations
 import argparse
 import time
 
-from _drafter import default_drafter, num_speculative_tokens
+from _drafter import PRESET, default_drafter, num_speculative_tokens
 
 ROUNDS = [
     ["Give me three tips for a good night's sleep.", "Why is the sky blue?",
@@ -23,8 +23,10 @@ ROUNDS = [
     ["What should I pack for a weekend hike?", "Explain what a black hole is.",
      "Write a limerick about a cat."],
 ]
-ONLINE = {"lr": 3e-4, "batch_blocks": 16, "min_new_tokens_per_update": 16,
-          "learner_cpu_share": 0.5}
+# The recommended CPU configuration (vllm_onlinespec/presets.py). One departure, so that nine
+# short answers show a publish: every update is published (the preset publishes every 4th, each
+# publish re-packing vLLM's drafter on the engine thread).
+ONLINE = {"preset": PRESET, "publish": {"every_n_updates": 1}}
 
 
 def spec_counters(llm) -> tuple[float, float]:
@@ -36,8 +38,7 @@ def spec_counters(llm) -> tuple[float, float]:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--max-tokens", type=int, default=128)
-    p.add_argument("--drafter", help="DFlash drafter folder (default: the trained default, "
-                   "else a random one)")
+    p.add_argument("--drafter", help="DFlash drafter folder (default: the shipped one)")
     args = p.parse_args()
 
     from vllm import LLM, SamplingParams
@@ -49,7 +50,7 @@ def main() -> None:
 
     target = str(pull("smollm2-135m"))
     drafter = args.drafter or default_drafter()
-    k = num_speculative_tokens(drafter)
+    k = num_speculative_tokens()
     # bfloat16 where the hardware computes it natively, else float32 (an AVX2 CPU emulates bf16).
     llm = LLM(model=target, dtype=resolve_dtype("auto"), **engine_kwargs(), disable_log_stats=False,
               speculative_config={"method": "dflash", "model": drafter,

@@ -12,6 +12,7 @@ from vllm import LLM, SamplingParams
 from vllm_onlinespec import swap_target
 from vllm_onlinespec.engine import engine_kwargs
 from vllm_onlinespec.models import pull, shipped_drafter
+from vllm_onlinespec.presets import PRESET_K
 from vllm_onlinespec.serving.stats import fetch
 
 QUESTIONS = ["How do plants make food?", "Why is the sky blue?", "How does a bicycle stay upright?"]
@@ -24,8 +25,8 @@ def main() -> None:
     base, changed = str(pull("smollm2-135m")), str(pull("smollm2-135m-terse"))
     llm = LLM(model=base, dtype="bfloat16", **engine_kwargs(max_model_len=1024),
               speculative_config={"method": "dflash", "model": str(shipped_drafter("smollm2-135m")),
-                                  "num_speculative_tokens": 4},
-              additional_config={"onlinespec": {"enabled": True}})
+                                  "num_speculative_tokens": PRESET_K["cpu"]},
+              additional_config={"onlinespec": {"preset": "cpu"}})  # vllm_onlinespec/presets.py
     chats = [[{"role": "user", "content": q}] for q in QUESTIONS]
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
     for phase in ("base", "swapped"):

@@ -39,7 +39,8 @@ def test_arm_names_map_to_valid_configs(tmp_path, drafter_dir):
     frozen = make_arm("frozen", target="t", prompts="p", out_dir=tmp_path, drafter=drafter_dir)
     assert frozen.num_speculative_tokens == 7 and not frozen.learning
     ens = make_arm("online-ensemble", target="t", prompts="p", out_dir=tmp_path, drafter=drafter_dir)
-    assert ens.onlinespec["algorithm"] == "ensemble" and ens.onlinespec["lr"] == DEFAULT_ONLINE["lr"]
+    assert ens.onlinespec["update"]["algorithm"] == "ensemble"
+    assert ens.onlinespec["update"]["lr"] == DEFAULT_ONLINE["update"]["lr"]
     bud = make_arm("budget", target="t", prompts="p", out_dir=tmp_path, drafter=drafter_dir)
     assert bud.onlinespec["length_head"] == {"policy": "budget", "k_min": 0} and bud.learning
 

@@ -276,9 +276,11 @@ def test_session_lookup_falls_back_to_finished_requests_text():
 def test_lookup_arms_and_config(tmp_path):
     kw = dict(target="t", prompts="p", out_dir=tmp_path, drafter="d", num_speculative_tokens=4)
     frozen = make_arm("frozen+lookup", **kw).onlinespec
-    assert frozen["enabled"] is False and frozen["prompt_lookup"] == {"enabled": True}
+    assert frozen["enabled"] is False
+    assert frozen["prompt_lookup"] == {"enabled": True, "source": "ngram"}
     ogd = make_arm("online-ogd+lookup", **kw).onlinespec
-    assert ogd["algorithm"] == "ogd" and ogd["prompt_lookup"] == {"enabled": True}
+    assert ogd["update"]["algorithm"] == "ogd"
+    assert ogd["prompt_lookup"] == {"enabled": True, "source": "ngram"}
     assert "prompt_lookup" not in make_arm("online-ogd", **kw).onlinespec
     for cfg in (frozen, ogd):  # what the worker will validate
         assert OnlineSpecConfig.from_any(cfg).prompt_lookup.enabled

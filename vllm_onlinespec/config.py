@@ -325,6 +325,25 @@ def _move_old_keys(data: Any) -> tuple[Any, dict[tuple, tuple]]:
     return data, renames
 
 
+def move_old_keys(data: dict) -> dict:
+    """`data` with old flat keys (`lr`, `algorithm`, `learner_cpu_share`, ...) moved into their
+    sections; ConfigError when a key is given both ways."""
+    return _move_old_keys(data)[0]
+
+
+def _with_preset(data: Any) -> Any:
+    """The named preset's settings under the ones `data` gives (its sections merged key by key);
+    data unchanged without a preset."""
+    if not isinstance(data, dict) or data.get("preset") is None:
+        return data
+    from vllm_onlinespec.presets import merge, preset
+
+    try:
+        return merge(preset(data["preset"]), data)
+    except ValueError as e:
+        raise ConfigError(f"{ROOT}.preset: {e}") from None
+
+
 class PromptLookupConfig(_Section):
     """Prompt lookup beside the drafter (drafter/prompt_lookup.py, applied in
     serving/session.py): where the request's own text predicts what follows (the longest suffix
@@ -431,6 +450,12 @@ class OnlineSpecConfig(_Section):
     """Root configuration of online speculative decoding: the `onlinespec` object of vLLM's
     `--additional-config` JSON (docs/configuration.md lists every key)."""
 
+    preset: str | None = Field(
+        None, description="named settings filling every key this config does not give "
+        "(vllm_onlinespec/presets.py; a key given here wins): 'cpu' = the learner's settings "
+        "and the CPU serving recipe the demo and benchmarks measured (budget verify policy, "
+        "suffix-tree lookup; measured with num_speculative_tokens 16); None = the defaults "
+        "below")
     enabled: bool = Field(True, description="learn online while serving (False = frozen drafter)")
     drafter: str | None = Field(
         None, description="path of the DFlash drafter checkpoint to start from (HF folder)")
@@ -560,7 +585,7 @@ class OnlineSpecConfig(_Section):
     @model_validator(mode="before")
     @classmethod
     def _accept_old_keys(cls, data: Any) -> Any:
-        return _move_old_keys(data)[0]
+        return _with_preset(_move_old_keys(data)[0])
 
     # Old flat names, read-only: the sections hold the values.
     algorithm = property(lambda self: self.update.algorithm)
@@ -599,6 +624,7 @@ class OnlineSpecConfig(_Section):
         if not isinstance(data, dict):
             raise ConfigError(f"{ROOT}: expected a JSON object (got {type(data).__name__})")
         data, renames = _move_old_keys(data)
+        data = _with_preset(data)
         try:
             return cls.model_validate(data)
         except ValidationError as e:

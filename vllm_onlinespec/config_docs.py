@@ -22,6 +22,7 @@ from pydantic import BaseModel
 from pydantic_core import PydanticUndefined
 
 from vllm_onlinespec.config import MOVED, ROOT, OnlineSpecConfig
+from vllm_onlinespec.presets import PRESET_K, PRESETS
 
 COMMAND = "python -m vllm_onlinespec.config_docs"
 DEFAULT_PATH = Path(__file__).resolve().parent.parent / "docs" / "configuration.md"
@@ -82,6 +83,14 @@ def _rows(model: type[BaseModel], prefix: str) -> list[str]:
 _HEADER = ["| Key | Type | Default | Description |", "|---|---|---|---|"]
 
 
+def _flat(d: dict, prefix: str = "") -> list[tuple[str, Any]]:
+    """(dotted key, value) of a nested settings dict, sections expanded."""
+    rows: list[tuple[str, Any]] = []
+    for k, v in d.items():
+        rows += _flat(v, f"{prefix}{k}.") if isinstance(v, dict) else [(f"{prefix}{k}", v)]
+    return rows
+
+
 def render(model: type[BaseModel] = OnlineSpecConfig) -> str:
     """The whole page as text (deterministic: it depends only on the model)."""
     sections = [(name, info) for name, info in model.model_fields.items()
@@ -99,9 +108,11 @@ def render(model: type[BaseModel] = OnlineSpecConfig) -> str:
         "vllm serve MODEL \\",
         "  --speculative-config '{\"method\": \"dflash\", \"model\": DRAFTER_DIR, "
         "\"num_speculative_tokens\": 7}' \\",
-        "  --additional-config '{\"onlinespec\": {\"length_head\": {\"policy\": \"budget\"}, "
-        "\"prompt_lookup\": {\"enabled\": true}}}'",
+        "  --additional-config '{\"onlinespec\": {\"preset\": \"cpu\", \"update\": {\"lr\": 1e-4}}}'",
         "```",
+        "",
+        "`preset` names settings that fill every key the object does not give ([presets]"
+        "(#presets) below); a key given explicitly wins.",
         "",
         "or `LLM(..., additional_config={\"onlinespec\": {...}})`. Every key is optional; a key "
         "left out takes the default below. Nested sections are objects: `update.lr` is "
@@ -126,6 +137,12 @@ def render(model: type[BaseModel] = OnlineSpecConfig) -> str:
         intro = _doc(sec) or _cell(info.description or "")
         out.append(intro[:1].upper() + intro[1:].rstrip(".") + ".")
         out += ["", *_HEADER, *_rows(sec, f"{name}.")]
+    out += ["", "## Presets", "",
+            "What each preset sets (vllm_onlinespec/presets.py says why); `num_speculative_tokens` "
+            "is vLLM's speculative-config key the preset was measured with.", ""]
+    for pname in sorted(PRESETS):
+        out += [f"### `{pname}`", "", f"- `num_speculative_tokens`: {PRESET_K[pname]}",
+                *(f"- `{key}`: `{json.dumps(value)}`" for key, value in _flat(PRESETS[pname]))]
     out += [
         "",
         "## Older flat keys",

@@ -18,9 +18,12 @@
                                  elsewhere: frozen+lookup, online-ogd+lookup, ...
     <arm>+tree                   the same with the suffix tree as lookup source and K = 16 (the
                                  drafter drafts its own block): frozen+tree, budget+tree, ...
+    <arm>+nolookup               the drafter alone where the base settings would look up
 
-Every learning arm starts from the same drafter weights and uses the same online settings
-(`online` below), so arms differ only in what their name says. Learning arms checkpoint into
+Every arm of ours starts from the same drafter weights and the same base settings (`online`
+below: by default the `cpu` preset, vllm_onlinespec/presets.py, so `frozen` is the recommended
+recipe with learning off and `online-ogd` with it on), so arms differ only in what their name
+says. Learning arms checkpoint into
 `<out>/checkpoints/<arm>` at shutdown (the runner empties it first: an arm never resumes).
 """
 
@@ -31,55 +34,26 @@ import shutil
 from pathlib import Path
 
 from vllm_onlinespec.bench.results import ArmSpec
+from vllm_onlinespec.config import move_old_keys
+from vllm_onlinespec.presets import LEARNER, PRESET_K, SERVING_CPU, merge, preset
 
 ALGORITHMS = ("ogd", "optimistic", "optimistic_momentum", "ensemble")
 POLICIES = ("fixed", "adaflash", "budget")
 NEVER = 10**12  # publish.every_n_updates that no run reaches
 
-# Online settings of every learning arm (the demo's too), chosen on the domain-shift benchmark's
-# tuning stream (40 Spec-Bench math word problems the shipped drafter never saw; reported on
-# other streams, docs/results/domain_shift.md): lr 3e-4 (over 1e-3 / 3e-3), and replay, which
-# fills every update up to its 32 blocks from the same requests' recently trained tokens (over
-# tiling the fresh tokens alone, dense anchors, or both: 1.85 vs 1.79-1.83 tokens per step, one
-# run each, within noise). The learner is data-starved beside serving (~20 fresh tokens between
-# updates), so replay spends its spare CPU on what it already has. ensemble_lrs bracket the lr.
-# The learner runs at SCHED_IDLE on the front end's core (docs/results/learner_priority.md).
-# A publish every 4th update: each one loads and re-packs vLLM's drafter on the engine thread
-# (~10 ms on the 2-core box, 3.5 % of serving at one per update); on the tuning stream, two
-# orders, 108.5 / 103.9 tok/s against 91.5 / 89.5 publishing every update, acceptance 1.81 /
-# 1.78 against 1.83 / 1.85, part of that gap the VM's drift between runs
-# (docs/results/notes/domain_shift.md).
-# Dense anchors (anchor_stride 1: every fresh token anchors a block), chosen on
-# the tuning stream by the deterministic replay (benchmarks/online_replay.py,
-# docs/results/online_replay.md): 1.031x the frozen drafter's acceptance against 1.015x for
-# tiling, 1.050x against 1.038x on prompts the learner never saw; on the reported stream 1.007x
-# against 1.002x (last quarter 1.063x against 1.034x).
-# learner_cpu_share 0.25 rather than 0.8: the learner slows the serving core while it
-# updates, by 13-25 % of a decode step as the worker's thread (2-15 % as its own process:
-# docs/results/learner_contention.md), so its cost follows its busy time; on the tuning
-# stream, two orders, online-ogd / frozen tok/s 1.02 / 1.08x at 0.25 (~45 updates) against
-# 0.81 / 0.98x at 0.8 (~135 updates), the same acceptance (1.88 vs 1.88; 1.89 vs 1.87)
-# (docs/results/learner_share.md).
-DEFAULT_ONLINE: dict = {
-    "lr": 3e-4, "replay": True, "anchor_stride": 1, "batch_blocks": 32, "anchors_per_request": 16,
-    "min_new_tokens_per_update": 16, "learner_cpu_share": 0.25, "learner_priority": "idle",
-    "ensemble_lrs": [1e-4, 3e-4, 1e-3], "publish": {"every_n_updates": 4},
-    "buffer": {"window_tokens": 512, "max_tokens": 16384, "max_requests": 64},
-}
+# Online settings of every learning arm and the CPU serving recipe: the `cpu` preset's two halves
+# (vllm_onlinespec/presets.py says what chose each value). `bench`, `bench-serve` and the demo
+# serve the whole preset by default (--preset cpu); an arm's name says where it departs from it.
+DEFAULT_ONLINE: dict = LEARNER
+SERVING_RECIPE: dict = SERVING_CPU
 
-# The serving recipe on the 2-core CPU box, for frozen and learning arms alike (the demo's, and
-# benchmarks/domain_shift.sh's RECIPE): the budget verifies the drafter's tokens only where they
-# pay (its gate drafts nothing in steps that would not), and prompt lookup drafts K tokens where
-# the request's own text predicts them. Measured on 24 math word problems, 4 clients, bf16:
-# frozen 0.66-0.76x nospec, +lookup 0.73-0.86x, budget+lookup 0.87x (docs/results/lookup_probe.md).
-# Lookup also searches finished requests' text by default (prompt_lookup.recent_tokens): frozen
-# 1.88 vs 1.77 tokens per step on the shifted stream (docs/results/serving_recent_lookup.md).
-# The suffix tree replaced vLLM's ngram rule as the lookup source, at vLLM's K = 16 (the drafter
-# drafts its own block of 4; TREE_K): on 80 unseen prompts, three passes, 1.01x / 1.21x the
-# ngram recipe's tok/s at batch 1 / 8 and 1.02x / 1.07x vLLM's own suffix decoding
-# (docs/results/suffix_hybrid.md).
-SERVING_RECIPE: dict = {"length_head": {"policy": "budget", "k_min": 0},
-                        "prompt_lookup": {"enabled": True, "source": "suffix_tree"}}
+
+def base_settings(preset_name: str | None) -> dict:
+    """The settings every arm of ours starts from: the named preset, or (None / "none") the
+    learner's settings alone, with the config's defaults for serving (fixed K, no lookup)."""
+    if preset_name in (None, "none"):
+        return copy.deepcopy(LEARNER)
+    return preset(preset_name)
 
 
 def drafter_k(drafter: str | Path) -> int:
@@ -109,7 +83,8 @@ LOOKUP_SUFFIX = "+lookup"
 # its own block, a confident tree match up to TREE_K tokens (vLLM's suffix decoding's own K);
 # docs/results/suffix_hybrid.md measured it against K = 4 and vLLM's suffix decoding.
 TREE_SUFFIX = "+tree"
-TREE_K = 16
+NO_LOOKUP_SUFFIX = "+nolookup"  # the drafter alone, where the base settings would look up
+TREE_K = PRESET_K["cpu"]
 
 
 def _parse(name: str) -> tuple[str, dict | None]:
@@ -127,7 +102,13 @@ def _parse(name: str) -> tuple[str, dict | None]:
             raise ValueError(f"arm {name!r}: {LOOKUP_SUFFIX} goes with this project's DFlash "
                              "arms (frozen, online-<algorithm>, shadow, a policy), not "
                              f"{name[: -len(LOOKUP_SUFFIX)]!r}")
-        return method, {**over, "prompt_lookup": {"enabled": True}}
+        return method, {**over, "prompt_lookup": {"enabled": True, "source": "ngram"}}
+    if name.endswith(NO_LOOKUP_SUFFIX):
+        method, over = _parse(name[: -len(NO_LOOKUP_SUFFIX)])
+        if over is None:
+            raise ValueError(f"arm {name!r}: {NO_LOOKUP_SUFFIX} goes with this project's DFlash "
+                             "arms")
+        return method, {**over, "prompt_lookup": {"enabled": False}}
     if name == "nospec":
         return "none", None
     if name == "ngram":
@@ -139,9 +120,9 @@ def _parse(name: str) -> tuple[str, dict | None]:
     if name == "k0":  # the floor: every step drafts nothing (the drafter's context K/V only)
         return "dflash", {"enabled": False, "features": {"plain": True}}
     if name == "shadow":
-        return "dflash", {"algorithm": "ogd", "publish": {"every_n_updates": NEVER}}
+        return "dflash", {"update": {"algorithm": "ogd"}, "publish": {"every_n_updates": NEVER}}
     if name.startswith("online-") and name[7:] in ALGORITHMS:
-        return "dflash", {"algorithm": name[7:]}
+        return "dflash", {"update": {"algorithm": name[7:]}}
     if name in POLICIES:
         return "dflash", {"length_head": _policy(name)}
     if name.startswith("frozen-") and name[7:] in POLICIES:
@@ -149,16 +130,14 @@ def _parse(name: str) -> tuple[str, dict | None]:
     raise ValueError(f"unknown arm {name!r}; known: nospec, ngram, vllm-dflash, vllm-dynamic, "
                      "frozen, k0, shadow, "
                      + ", ".join(f"online-{a}" for a in ALGORITHMS) + ", "
-                     + ", ".join(POLICIES) + ", frozen-<policy>, and <our arm>+lookup or +tree")
+                     + ", ".join(POLICIES) + ", frozen-<policy>, and <our arm>+lookup, +tree "
+                     "or +nolookup")
 
 
 def merge_sections(base: dict, over: dict) -> dict:
-    """`over` on a copy of `base`, config sections (dicts) merged key by key."""
-    out = copy.deepcopy(base)
-    for k, v in over.items():
-        nested = isinstance(v, dict) and isinstance(out.get(k), dict)
-        out[k] = merge_sections(out[k], v) if nested else v
-    return out
+    """`over` on a copy of `base`, config sections (dicts) merged key by key; old flat keys
+    (`lr`, `algorithm`, ...) moved into their sections first, so either spelling overrides."""
+    return merge(move_old_keys(base), move_old_keys(over))
 
 
 def _check_k_table(table) -> None:

@@ -36,6 +36,7 @@ import time
 from pathlib import Path
 
 from vllm_onlinespec.bench import prompts as P
+from vllm_onlinespec.presets import PRESETS
 from vllm_onlinespec.serving_dtype import resolve_dtype_arg
 
 def recipe_flags(recipe: str = "smollm2-small") -> dict:
@@ -139,6 +140,11 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
       "AVX512-BF16/AMX CPU, ~1.7x faster than float32 there; float32 elsewhere: an AVX2 CPU "
       "emulates bf16, 2.6x slower), bfloat16, or float32 (greedy output then identical across "
       "arms, token for token)")
+    a("--preset", default="cpu", choices=[*sorted(PRESETS), "none"],
+      help="the settings every arm of ours starts from: 'cpu' (default) = the recommended CPU "
+      "configuration (vllm_onlinespec/presets.py: learner settings, budget verify policy, "
+      "suffix-tree lookup at K = 16), so `frozen` is that recipe with learning off; 'none' = "
+      "the learner's settings with the config's serving defaults (fixed K, no lookup)")
     a("--online", default="{}", help="JSON merged into the learning arms' onlinespec settings")
     a("--arrivals", default="", metavar="closed:C|poisson:RATE",
       help="continuous serving instead of waves: C clients that each send their next request "
@@ -188,7 +194,7 @@ def check_protocol(args: argparse.Namespace) -> None:
 def run_bench(args: argparse.Namespace) -> int:
     from transformers import AutoTokenizer
 
-    from vllm_onlinespec.bench.arm_catalog import DEFAULT_ONLINE, merge_sections, make_arm
+    from vllm_onlinespec.bench.arm_catalog import base_settings, merge_sections, make_arm
     from vllm_onlinespec.bench.drafters import cache_key, ensure_drafter
     from vllm_onlinespec.bench.launch import counterbalanced, run_arms
     from vllm_onlinespec.bench import report as R
@@ -203,7 +209,7 @@ def run_bench(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     out = Path(args.out)
     arms = [x.strip() for x in args.arms.split(",") if x.strip()]
-    online = merge_sections(DEFAULT_ONLINE, json.loads(args.online))
+    online = merge_sections(base_settings(args.preset), json.loads(args.online))
     train_cats = P.parse_categories(args.train_categories)
     serve_cats = P.parse_categories(args.serve_categories)
     if serve_cats is None and train_cats is not None and not args.prompts:

@@ -30,6 +30,7 @@ from tqdm.auto import tqdm
 from vllm_onlinespec.bench.arm_catalog import clear_own_checkpoints
 from vllm_onlinespec.bench.results import ArmSpec
 from vllm_onlinespec.engine import SAME_RUNNER_ENV
+from vllm_onlinespec.presets import PRESETS
 from vllm_onlinespec.serving_dtype import resolve_dtype_arg
 
 SERVED_NAME = "onlinespec-bench"
@@ -350,13 +351,18 @@ def add_bench_serve_parser(sub: argparse._SubParsersAction) -> None:
     a("--max-prompt-tokens", type=int, default=512, help="skip longer Spec-Bench prompts")
     a("--skip-prompts", type=int, default=0, metavar="N", help="leave out the N prompts a "
       "sweep with at most N prompts per point serves (tune on the rest, report on those)")
-    a("--drafter", help="DFlash drafter folder (default: the cached smollm2-default drafter)")
+    a("--drafter", help="DFlash drafter folder (default: the one shipped for --target)")
     a("--target", default="smollm2-135m")
     a("--dtype", default="auto", type=resolve_dtype_arg,
       help="auto (default: bfloat16 where the hardware computes it natively, a GPU or an "
       "AVX512-BF16/AMX CPU, ~1.7x faster than float32 there; float32 elsewhere: an AVX2 CPU "
       "emulates bf16, 2.6x slower), bfloat16, or float32 (greedy output then identical across "
       "arms, token for token)")
+    a("--preset", default="cpu", choices=[*sorted(PRESETS), "none"],
+      help="the settings every arm of ours starts from: 'cpu' (default) = the recommended CPU "
+      "configuration (vllm_onlinespec/presets.py: learner settings, budget verify policy, "
+      "suffix-tree lookup at K = 16), so `frozen` is that recipe with learning off; 'none' = "
+      "the learner's settings with the config's serving defaults (fixed K, no lookup)")
     a("--online", default="{}", help="JSON merged into the learning arms' onlinespec settings")
     a("--k-per-batch-size", type=json.loads, default=None, metavar="JSON",
       help="vLLM's per-batch-size K for the vllm-dynamic arm: [[first_bs, last_bs, K], ...]")
@@ -367,18 +373,22 @@ def add_bench_serve_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def run_bench_serve(args: argparse.Namespace) -> int:
-    from vllm_onlinespec.bench.arm_catalog import DEFAULT_ONLINE, merge_sections, make_arm
-    from vllm_onlinespec.models import cache_dir, resolve
+    from vllm_onlinespec.bench.arm_catalog import base_settings, merge_sections, make_arm
+    from vllm_onlinespec.models import ModelError, resolve, shipped_drafter
 
     out = Path(args.out)
     target = resolve(args.target)
-    drafter = args.drafter or str(cache_dir() / "drafters" / "smollm2-default")
     arms = [x.strip() for x in args.arms.split(",") if x.strip()]
-    if any(a != "nospec" for a in arms) and not (Path(drafter) / "config.json").is_file():
-        raise FileNotFoundError(f"no drafter at {drafter}: train one with `vllm-onlinespec train "
-                                f"--recipe smollm2-default` or pass --drafter")
+    drafter = args.drafter
+    if drafter is None and any(a != "nospec" for a in arms):
+        try:
+            drafter = str(shipped_drafter(args.target))
+        except ModelError as e:
+            raise FileNotFoundError(f"--drafter: none given and {e}") from None
+    if drafter is not None and not (Path(drafter) / "config.json").is_file():
+        raise FileNotFoundError(f"--drafter {drafter}: no config.json there")
     concurrencies = [int(c) for c in args.concurrency.split(",")]
-    online = merge_sections(DEFAULT_ONLINE, json.loads(args.online))
+    online = merge_sections(base_settings(args.preset), json.loads(args.online))
     dataset = write_dataset(args.spec_bench, out, target, args.max_prompt_tokens,
                             args.skip_prompts)
     points: list[Point] = []

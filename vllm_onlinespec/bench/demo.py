@@ -18,8 +18,9 @@ previous one finished, the learner training beside serving, nothing paused and n
 of the wall time (bench/engine_loop.py). Every prompt is served once and measured while it is
 served, so whatever the online arm gains comes from earlier prompts of the new domain, not from
 memory of the same prompt. The frozen and the learning arm serve the same way, with the
-recipe that pays best on this CPU (bench/arm_catalog.SERVING_RECIPE: the budget verify policy
-and the suffix tree beside the drafter, vLLM's K = 16 for tree drafts, the drafter its own 4).
+recommended CPU configuration, the `cpu` preset (vllm_onlinespec/presets.py: the budget verify
+policy and the suffix tree beside the drafter, vLLM's K = 16 for tree drafts, the drafter its
+own 4).
 """
 
 from __future__ import annotations
@@ -61,6 +62,7 @@ PLANS = {
 # (lr 3e-4 / 1e-3, 4 anchors per request), 24-32 prompts showed no clear gain.
 SERVE_CATEGORIES = ["math_reasoning"]
 ARMS = ("nospec", "frozen", "online-ogd")
+DEMO_PRESET = "cpu"
 ORDERS = (0, 1)  # stream orders (interleaving seeds); the arms run reversed on the second
 # A gain smaller than this (tokens per verify step) is within what timing alone can move.
 MIN_GAIN = 0.03
@@ -146,12 +148,11 @@ def verdict(per_order: list[list]) -> list[str]:
 
 def demo_arms(plan: DemoPlan, target: str, stream_path, out: Path, drafter: str):
     """(online settings, the three arms' specs) of the demo."""
-    from vllm_onlinespec.bench.arm_catalog import (DEFAULT_ONLINE, SERVING_RECIPE, make_arm,
-                                                   merge_sections)
+    from vllm_onlinespec.bench.arm_catalog import base_settings, make_arm
 
-    # Learning settings measured on this stream, served the way that pays best on this CPU
-    # (bench/arm_catalog.py): the same recipe for the frozen and the learning arm.
-    online = merge_sections(DEFAULT_ONLINE, SERVING_RECIPE)
+    # The recommended CPU configuration (vllm_onlinespec/presets.py) for the frozen and the
+    # learning arm alike: what a user copies from the README is what the demo measures.
+    online = base_settings(DEMO_PRESET)
     return online, [make_arm(a, target=target, prompts=str(stream_path), out_dir=out,
                              drafter=drafter, online=online, max_tokens=plan.max_tokens,
                              arrivals=plan.arrivals, window_s=plan.window_s) for a in ARMS]
