@@ -6,7 +6,8 @@
         [--arm suffix:16] \
         --batch1 12 --batch8 32 --max-tokens 128 --out runs/drafter/served.json
 
-`dflash` arms are vLLM's own DFlash worker; `recipe` arms serve the drafter through this
+`dflash` arms are vLLM's own DFlash worker; `frozen-fixed` this project's worker with learning
+off, fixed K and no lookup (against `dflash`: the plugin's own price); `recipe` arms serve the drafter through this
 project's worker with learning off and the CPU serving recipe (budget + prompt lookup);
 `recipe-tree` the same with SuffixDecoding's trees as the lookup source;
 `ngram` and `suffix` are vLLM's training-free methods. Every arm is one engine in its own
@@ -41,6 +42,9 @@ from vllm_onlinespec.presets import SERVING_CPU
 # source (`recipe`) or the preset's suffix tree (`recipe-tree`).
 RECIPE_TREE = {"enabled": False, **SERVING_CPU}
 SERVING_RECIPE = {**RECIPE_TREE, "prompt_lookup": {"enabled": True, "source": "ngram"}}
+# The worker with nothing to do but serve vLLM's DFlash drafter: learning off, fixed K, no
+# lookup. Against `dflash` (vLLM's own worker, same drafter and K) it prices the plugin.
+FROZEN_FIXED = {"enabled": False, "length_head": {"policy": "fixed"}}
 COUNTERS = {"accepted": "vllm:spec_decode_num_accepted_tokens",
             "drafts": "vllm:spec_decode_num_drafts"}
 
@@ -89,14 +93,14 @@ class ArmConf:
             return cls(name=f"ngram-k{parts[1]}", method="ngram", k=int(parts[1]))
         if parts[0] == "suffix" and len(parts) == 2:
             return cls(name=f"suffix-k{parts[1]}", method="suffix", k=int(parts[1]))
-        if parts[0] in ("dflash", "recipe", "recipe-tree") and len(parts) == 3:
+        if parts[0] in ("dflash", "frozen-fixed", "recipe", "recipe-tree") and len(parts) == 3:
             d = Path(parts[1])
             if not (d / "config.json").is_file():
                 raise SystemExit(f"--arm {spec}: {d} has no config.json")
             return cls(name=f"{parts[0]}-k{parts[2]}:{d.name}", method=parts[0], drafter=str(d),
                        k=int(parts[2]))
         raise SystemExit(f"--arm {spec!r}: expected nospec, ngram:K, suffix:K, dflash:DIR:K, "
-                         "recipe:DIR:K or recipe-tree:DIR:K")
+                         "frozen-fixed:DIR:K, recipe:DIR:K or recipe-tree:DIR:K")
 
 
 def _counters(llm) -> dict[str, int]:
@@ -111,10 +115,12 @@ def run_engine(arm: ArmConf, prompts: list[dict], n1: int, n8: int, max_tokens: 
     from vllm_onlinespec.engine import engine_kwargs
 
     kw = engine_kwargs()
-    if arm.method in ("dflash", "recipe", "recipe-tree"):
+    if arm.method in ("dflash", "frozen-fixed", "recipe", "recipe-tree"):
         kw["speculative_config"] = {"method": "dflash", "model": arm.drafter,
                                     "num_speculative_tokens": arm.k}
-    if arm.method == "recipe":
+    if arm.method == "frozen-fixed":  # the plugin's own price: vLLM's DFlash step, our hooks
+        kw["additional_config"] = {"onlinespec": FROZEN_FIXED}
+    elif arm.method == "recipe":
         kw["additional_config"] = {"onlinespec": SERVING_RECIPE}
     elif arm.method == "recipe-tree":  # the recipe with SuffixDecoding's trees as lookup source
         kw["additional_config"] = {"onlinespec": RECIPE_TREE}
