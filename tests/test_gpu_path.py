@@ -131,7 +131,7 @@ def test_no_copy_on_cpu_or_when_nothing_reads_features(monkeypatch):
     assert _copies_features(s)
     s.parts = None  # no learner/buffer
     assert not _copies_features(s)
-    s.feature_log = object()
+    s.feedback.feature_log = object()
     assert _copies_features(s)
 
 

@@ -89,21 +89,19 @@ def test_learner_trains_the_K_vllm_serves_not_the_drafters_block_size(tmp_path):
 def test_length_head_rules(tmp_path):
     """train=false keeps a shipped head frozen; policy fixed trains and uses no head; a fresh
     head is trained but not trusted; a shipped head is trusted."""
-    from vllm_onlinespec.serving.session import OnlineSession
+    from vllm_onlinespec.serving import learner_setup
 
     shipped = write_drafter(tmp_path / "with-head", head=True)
     bare = write_drafter(tmp_path / "no-head")
 
     def build(path, **length_head):
-        s = object.__new__(OnlineSession)
-        s.cfg, s.K, s.parts, s.leader = cfg(length_head=length_head), 4, None, True
-        s.drafter_k = 4
         emb, lm = targets()
         runner = SimpleNamespace(model=SimpleNamespace(
             model=SimpleNamespace(embed_tokens=SimpleNamespace(weight=emb)),
             lm_head=SimpleNamespace(weight=lm)))
-        head, trusted = OnlineSession._build(s, runner, path)
-        return s.parts.bundle.length_head, head, trusted
+        side = learner_setup.build(cfg(length_head=length_head), runner, path, drafter_k=4,
+                                   leader=True)
+        return side.parts.bundle.length_head, side.head, side.head_trusted
 
     trained, head, trusted = build(shipped, policy="adaflash", train=False)
     assert trained is None and head is not None and trusted

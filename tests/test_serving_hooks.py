@@ -219,13 +219,13 @@ class RecordingCutter:
 
 
 def bare_session(**over):
+    from vllm_onlinespec.serving.drafting import DraftStage
+    from vllm_onlinespec.serving.feedback import FeedbackStage
+    from vllm_onlinespec.serving.publish import RankShare
     from vllm_onlinespec.serving.session import OnlineSession
-
-    from vllm_onlinespec.serving.feedback import FeedbackPipe
 
     s = object.__new__(OnlineSession)
     s.guard = HookGuard()
-    s._pipe = FeedbackPipe()
     s.steps = 0
     s._drafted_by = 0
     s.tracer = None
@@ -234,14 +234,20 @@ def bare_session(**over):
     s.cutter = RecordingCutter()
     buf, lr = FakeBuffer(), FakeLearner()
     s.parts = SimpleNamespace(learner=lr, buffer=buf)
-    s.cfg = SimpleNamespace(enabled=True)
-    s.tp, s.leader, s._tp_shared = None, True, 0  # one rank
+    s.cfg = SimpleNamespace(enabled=True, features=SimpleNamespace(plain=False))
+    s.tp, s.leader = None, True  # one rank
     s.stats = lambda: None
     s.info = lambda: {}
+    s.lookup = over.pop("lookup", None)
+    s.runner = over.pop("runner", None)
     for k, v in over.items():
         setattr(s, k, v)
     if "drafter_k" not in over:
         s.drafter_k = getattr(s, "K", 4)  # the drafter drafts every one of vLLM's K
+    s.ranks = RankShare(s.tp, s.leader)
+    s.feedback = FeedbackStage(s.cutter, s.lookup, s.tracer, None, lr, buf, s.guard)
+    s.drafting = DraftStage(s.cfg, s.runner, s.cutter, s.lookup, s.drafter_k,
+                            getattr(s, "K", s.drafter_k), s.guard)
     return s
 
 
@@ -252,7 +258,10 @@ def _boom(*a, **k):
 @pytest.mark.parametrize("stage", ["_feedback", "_publish", "_write_metrics"])
 def test_after_step_stages_fail_independently(stage):
     s = bare_session()
-    setattr(s, stage, _boom)
+    if stage == "_feedback":
+        s.feedback.observe = _boom
+    else:
+        setattr(s, stage, _boom)
     for _ in range(3):
         s.after_step(None, make_view(), [[7, 8, -1, -1], [9, -1, -1, -1]])
     name = {"_feedback": G.FEEDBACK, "_publish": G.PUBLISH, "_write_metrics": G.METRICS}[stage]
@@ -527,7 +536,7 @@ def test_a_shut_gate_asks_vllms_drafter_for_k0_on_a_copy(runner):
             runner._onlinespec = SimpleNamespace(
                 gate_drafting=lambda so, sampled=None, k=k: (dataclasses.replace(
                     so, num_spec_tokens_to_schedule=k), k) if k < 4 else (so, 4),
-                observe_draft_time=lambda d, s: timed.append(d))
+                drafting=SimpleNamespace(observe_draft_time=lambda d, s: timed.append(d)))
             so = SO({"a": 1, "b": 3}, {}, 4)
             assert runner.propose_draft_token_ids(so) == "proposed"
             assert so.num_spec_tokens_to_schedule == 4  # the scheduler's object: untouched

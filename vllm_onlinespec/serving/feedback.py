@@ -18,6 +18,8 @@ from typing import Any
 import torch
 
 from vllm_onlinespec.learner.buffer import FeedbackRecord
+from vllm_onlinespec.serving import compat
+from vllm_onlinespec.serving import guard as G
 from vllm_onlinespec.serving.compat.step_view import StepView
 
 
@@ -129,3 +131,58 @@ def records_from_step(view: StepView, accepted: list[int], version: int,
             num_accepted=accepted[i] if drafted else 0, drafter_version=version))
         off += k
     return StepFeedback(records, ready=ready)
+
+
+class FeedbackStage:
+    """One step's verification -> the verify-length policy's statistics, the draft tracer, and
+    the committed rows -> the feature log and the learner's buffer (then the learner is
+    woken). `learner` / `buffer` / `feature_log` / `tracer` may be None."""
+
+    def __init__(self, cutter: Any, lookup: Any, tracer: Any, feature_log: Any, learner: Any,
+                 buffer: Any, guard: Any) -> None:
+        self.cutter, self.lookup, self.tracer = cutter, lookup, tracer
+        self.feature_log, self.learner, self.buffer, self.guard = feature_log, learner, buffer, guard
+        self.pipe = FeedbackPipe()  # a step's feedback, held one step on GPU
+
+    def observe(self, view: StepView | None, sampled: Any, drafted_by: int) -> None:
+        """drafted_by: the drafter version that proposed the drafts this step verified (vLLM
+        drafts at the end of a step, before that step's publish)."""
+        if view is None:
+            return
+        if self.lookup is not None:  # before any early return: finished texts must not pile up
+            self.lookup.finish(view.finished_req_ids)
+        if sampled is None:
+            self.guard.skip(G.NO_SAMPLER_OUTPUT)
+            return
+        accepted = compat.accepted_counts(sampled, view.num_draft_tokens)
+        self.cutter.observe(self._drafter_rows(view, accepted), accepted, view.req_ids)
+        self.cutter.forget(view.finished_req_ids)
+        if self.tracer is not None:
+            self.tracer.record(view, accepted, sampled)
+        if self.buffer is None and self.feature_log is None:
+            return
+        with torch.inference_mode(False):  # the learner trains on these: no inference tensors
+            fb = records_from_step(view, accepted, drafted_by, async_copy=not compat.is_cpu())
+        fb.finished = list(view.finished_req_ids)
+        self.deliver(self.pipe.submit(fb))
+
+    def deliver(self, ready: list[StepFeedback]) -> None:
+        for fb in ready:
+            for rec in fb.records:
+                if self.feature_log is not None:
+                    self.feature_log.add(rec.req_id, rec.start_pos, rec.token_ids, rec.aux,
+                                         rec.target_hidden)
+                if self.buffer is not None:
+                    self.buffer.push(rec)
+            if self.buffer is not None:
+                for rid in fb.finished:
+                    self.buffer.finish(rid)
+        if self.buffer is not None and ready:
+            self.learner.notify()
+
+    def _drafter_rows(self, view: StepView, accepted: list[int]) -> list[int] | None:
+        """Draft tokens verified per request, 0 where prompt lookup drafted (counted apart):
+        the verify-length policy and the head score the drafter's blocks only."""
+        if self.lookup is None:
+            return view.num_draft_tokens
+        return self.lookup.drafter_rows(view.req_ids, view.num_draft_tokens, accepted)

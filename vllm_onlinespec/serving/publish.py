@@ -54,3 +54,38 @@ class Publisher:
         self.total_ms += self.last_ms
         logger.info("onlinespec: published drafter version %d (was %d) in %.1f ms",
                     version, was, self.last_ms)
+
+
+class RankShare:
+    """Under tensor parallelism rank 0 learns; its newest version reaches every rank at the
+    same step (every rank calls `share` once per step: a collective)."""
+
+    def __init__(self, tp: Any, leader: bool) -> None:
+        self.tp, self.leader = tp, leader
+        self.shared = 0  # the newest version broadcast to every rank
+
+    def share(self, latest: tuple[int, Any] | None) -> tuple[int, Any] | None:
+        """(version, snapshot) where rank 0's newest is new to the ranks, else None."""
+        # Compared with the version last shared, which every rank holds alike (a rank-local
+        # figure, e.g. rank 0's resumed publish, would let the ranks disagree and hang).
+        shared = self.shared
+        version = compat.broadcast_version(self.tp, latest[0] if latest is not None else shared)
+        if version <= shared:
+            return None
+        self.shared = version
+        snap = latest[1] if self.leader else None
+        if snap is not None and hasattr(snap, "wait_ready"):
+            snap.wait_ready()  # a CUDA snapshot's copy ends before the broadcast reads it
+        return version, compat.broadcast_snapshot(self.tp, snap)
+
+
+def served_digest(runner: Any, learning: bool) -> str:
+    """sha256 of vLLM's drafter weights as loaded, read back from vLLM's module under
+    checkpoint names (compare with `state_digest` of a checkpoint's `drafter.*` tensors)."""
+    from vllm_onlinespec.learner.checkpoint import state_digest
+
+    # Only a learning engine's drafter is republished (and so kept in plain, readable
+    # weights); without a learner there is nothing a publish could have got wrong.
+    if not learning or compat.drafter_module(runner) is None:
+        return ""
+    return state_digest(compat.read_draft_weights(runner))

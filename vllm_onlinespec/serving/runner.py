@@ -96,7 +96,7 @@ class OnlineSpecRunnerMixin:
             self._onlinespec_timer.poll()  # earlier steps' GPU spans, now measured
             self._close_cycle(t0)
             session = self._onlinespec
-            if session is not None and session.times_cycles:  # only the budget's gate reads them
+            if session is not None and session.drafting.times_cycles:  # only the budget's gate reads them
                 B, base = compat.step_token_counts(scheduler_output)
                 self._onlinespec_cycle = _Cycle(t0, B, self._onlinespec_tokens,
                                                 verifies=self._onlinespec_tokens > base)
@@ -134,7 +134,7 @@ class OnlineSpecRunnerMixin:
                         tokens = self._onlinespec_tokens
                         self._onlinespec_timer.stop(
                             self._onlinespec_span,
-                            lambda sec: session.observe_step_cost(tokens, sec))
+                            lambda sec: session.drafting.observe_step_cost(tokens, sec))
         self._onlinespec_span = None
         return out
 
@@ -161,7 +161,7 @@ class OnlineSpecRunnerMixin:
                 self._onlinespec_profile.draft_s += time.perf_counter() - t0
                 if session is not None and span is not None:
                     self._onlinespec_timer.stop(
-                        span, lambda sec: session.observe_draft_time(k, sec))
+                        span, lambda sec: session.drafting.observe_draft_time(k, sec))
 
     def sample_tokens(self, grammar_output):
         self._onlinespec_init()
@@ -200,7 +200,7 @@ class OnlineSpecRunnerMixin:
         cycle, session = self._onlinespec_cycle, self._onlinespec
         self._onlinespec_cycle = None
         if cycle is not None and cycle.proposed and session is not None:
-            session.observe_cycle(cycle.k, cycle.batch, cycle.tokens, now - cycle.start,
+            session.drafting.observe_cycle(cycle.k, cycle.batch, cycle.tokens, now - cycle.start,
                                   verified=cycle.verifies)
 
     def onlinespec_profile(self) -> StepProfile:

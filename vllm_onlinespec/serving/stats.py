@@ -1,6 +1,6 @@
 """The worker's figures as ONE typed record, read by attribute everywhere.
 
-Produced by `OnlineSession.stats()` in the worker; crosses the process boundary as a plain dict
+Produced by `session_stats` (OnlineSession.stats()) in the worker; crosses the process boundary as a plain dict
 (`dataclasses.asdict`, for `collective_rpc("onlinespec_stats")` and the metrics file) and is
 parsed back with `OnlineSpecStats.from_dict` by every reader (metrics collector, bench, tests,
 examples), so a misspelt field is an AttributeError, never a silent 0. No vLLM import here.
@@ -112,6 +112,18 @@ class CutterStats:
     # step and batch bucket ("drafted@B8" / "k0@B8"), as the gate prices them.
     gate_overhead_s: dict[str, float] = field(default_factory=dict)
 
+    @classmethod
+    def from_cutter(cls, c: Any) -> "CutterStats":
+        """Read a policy.cutter.DraftCutter."""
+        g = c.gate
+        return cls(policy=c.policy_name, head=c.head_state, drafted=c.drafted,
+                   verified=c.verified, last_reason=c.last_reason, head_updates=c.head_version,
+                   head_labels=c.feedback.labels, head_feedback_updates=c.feedback.updates,
+                   gate_steps=g.steps if g else 0, gate_shut_steps=g.shut_steps if g else 0,
+                   gate_explore_steps=g.explore_steps if g else 0,
+                   gate_short_steps=g.short_steps if g else 0,
+                   gate_overhead_s=g.overhead.as_dict() if g else {})
+
 
 @dataclass
 class OnlineSpecStats:
@@ -158,6 +170,49 @@ class OnlineSpecStats:
         out.learner = _build(LearnerStats, d.get("learner"))
         out.buffer = _build(BufferStats, d.get("buffer"))
         return out
+
+
+def lookup_fields(lookup: Any) -> dict[str, int]:
+    """OnlineSpecStats' lookup_* fields from a serving.lookup.LookupStage (None: lookup off)."""
+    if lookup is None:
+        return {}
+    return {"lookup_rows": lookup.rows, "lookup_drafted": lookup.drafted,
+            "lookup_accepted": lookup.accepted, "lookup_recent_rows": lookup.recent_rows,
+            "lookup_skipped_steps": lookup.skipped_steps}
+
+
+def invariant_fields(inv: Any) -> dict[str, Any]:
+    """OnlineSpecStats' invariant fields from the runner's InvariantVerifier (None: off)."""
+    if inv is None:
+        return {}
+    return {"invariant_mode": inv.mode, "invariant_rows": inv.covered_steps,
+            "coupled_rows": inv.coupled_rows, "invariant_fallbacks": dict(inv.fallbacks)}
+
+
+def session_stats(s: Any) -> OnlineSpecStats:
+    """The figures of a serving.session.OnlineSession, read now."""
+    cm, pub = s.cutter.cost_model, s.publisher
+    out = OnlineSpecStats(
+        steps=s.steps, published_version=pub.version, publishes=pub.count,
+        publish_ms_last=pub.last_ms, publish_ms_total=pub.total_ms,
+        oracle_accept_len=s.oracle.accept_len if s.oracle else 0.0,
+        cost_a_s=cm.a if cm is not None else None,
+        cost_b_s_per_token=cm.b if cm is not None else None,
+        resumed_from=s.resumed_from, hooks=s.guard.stats(), target_swaps=s.target_swaps,
+        cutter=CutterStats.from_cutter(s.cutter),
+        **invariant_fields(getattr(s.runner, "_onlinespec_invariant", None)),
+        **lookup_fields(s.lookup))
+    if s.learner is not None:
+        out.learner = LearnerStats.from_learner(s.learner.stats())
+        out.buffer = BufferStats(**s.buffer.stats())
+    return out
+
+
+def session_info(s: Any) -> dict[str, str]:
+    """The settings in force, as the `onlinespec:config_info` metric's labels."""
+    return {"algorithm": s.cfg.algorithm, "learning": str(s.cfg.enabled),
+            "verify_policy": s.cfg.length_head.policy, "K": str(s.K),
+            "prompt_lookup": str(s.lookup is not None), "length_head": s.cutter.head_state}
 
 
 def fetch(llm: Any) -> OnlineSpecStats:

@@ -25,9 +25,14 @@ With `vllm serve`, start the server with VLLM_SERVER_DEV_MODE=1 and POST
 
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
+import time
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
+
+logger = logging.getLogger("vllm_onlinespec")
 
 # Fields that must match for a checkpoint to load into the served model's parameters.
 MUST_MATCH = ("architectures", "model_type", "vocab_size", "hidden_size", "num_hidden_layers",
@@ -69,3 +74,26 @@ def swap_target(llm: Any, folder: str | Path) -> dict:
 
     check_swap(compat.served_hf_config(llm.llm_engine.vllm_config), folder)
     return llm.collective_rpc("onlinespec_swap_target", args=(str(folder),))[0]
+
+
+def follow_swap(session: Any, runner: Any, reload: Callable[[], None]) -> dict:
+    """In the worker: run `reload` (vLLM's in-place reload of the target's weights) with the
+    session's learner paused, then make the learner follow: the new embedding and LM head, the
+    old target's untrained feedback dropped. Not guarded: a failed reload reaches the caller."""
+    from vllm_onlinespec.serving import compat
+
+    t0, dropped, learner = time.perf_counter(), 0, session.learner
+    with learner.paused() if learner is not None else contextlib.nullcontext():
+        reload()
+        if session.cfg.enabled:
+            # Every rank: under TP the gather is a collective (only rank 0 has a learner).
+            embed, lm_head = compat.target_embed_and_head(runner)
+            if learner is not None:
+                learner.loss_fn.retarget(embed, lm_head)
+                session.feedback.pipe.drop()  # the old target's features
+                dropped = session.buffer.clear()
+    session.target_swaps += 1
+    sec = time.perf_counter() - t0
+    logger.info("onlinespec: target weights swapped in %.2f s (%d untrained feedback tokens "
+                "from the old target dropped)", sec, dropped)
+    return {"seconds": sec, "dropped_tokens": dropped, "swaps": session.target_swaps}
