@@ -92,28 +92,6 @@ RECIPES: dict[str, dict] = {
         "lr": 3e-3, "warmup_steps": 150, "eval_anchors": 16, "eval_every": 425,
         "features": "vllm",
     },
-    # smollm2-scaled at twice the distinct answers and three drafter layers (2-vCPU Zen 5 box,
-    # 2026-12-04, docs/results/drafter.md and drafter_capacity.md):
-    # - data: the same prompts; a 1.04 M token budget runs past the greedy round (536 k tokens)
-    #   into one sampled answer per prompt (T 0.8): 5264 sequences, 1.03 M response tokens.
-    #   With 518 k tokens every depth fitted its training answers far better than held-out
-    #   ones (3 layers at 1320 of 5900 steps: training batches 2.19 tokens per step, held out
-    #   1.51): distinct data was the limit, not capacity.
-    # - 3 layers: at 3.07 M rows each, 1 / 2 / 3 layers walked 1.426 / 1.504 / 1.526 on
-    #   held-out answers (the trainer's 685-block evaluation 1.447 / 1.527 / 1.590); a layer
-    #   costs no more per training row on this box (the step is dominated by context compute).
-    # - 5900 steps of 16 x 32 anchors: 12.1 M draft rows, 10.5x smollm2-default's 1.15 M.
-    "smollm2-l3": {
-        "target": "smollm2-135m", "humaneval": True, "spec_bench": "auto",
-        "exclude_categories": "math_reasoning", "max_prompt_tokens": 512, "max_heldout": 64,
-        "self_prompts": 2400, "max_new_tokens": 256, "sampled_answers": 1, "temperature": 0.8,
-        "top_p": 1.0, "followups": 1, "token_budget": 1_040_000,
-        "gen_dtype": "bfloat16", "layers": 3, "block_size": 5, "num_target_features": 3,
-        "loss_mode": "ce", "gamma": 3.0, "normalize_features": True, "compute_dtype": "bfloat16",
-        "draft_vocab_size": 8192, "steps": 5900, "batch_size": 16, "anchors_per_seq": 32,
-        "lr": 3e-3, "warmup_steps": 150, "eval_anchors": 16, "eval_every": 425,
-        "features": "vllm",
-    },
     # The earlier small recipe (~15 min, 200 prompts x 192 greedy tokens, 1 layer, K = 7): what
     # the benchmarks' per-run starting drafters are built from (bench.cli.recipe_flags).
     "smollm2-small": {
@@ -124,6 +102,19 @@ RECIPES: dict[str, dict] = {
         "lr": 1e-3, "warmup_steps": 20, "eval_anchors": 12,
     },
 }
+# smollm2-scaled at twice the distinct answers and three drafter layers (2-vCPU Zen 5 box,
+# 2026-12-04, docs/results/drafter.md and drafter_capacity.md):
+# - data: the same prompts; a 1.04 M token budget runs past the greedy round (536 k tokens)
+#   into one sampled answer per prompt (T 0.8): 5264 sequences, 1.03 M response tokens.
+#   With 518 k tokens every depth fitted its training answers far better than held-out
+#   ones (3 layers at 1320 of 5900 steps: training batches 2.19 tokens per step, held out
+#   1.51): distinct data was the limit, not capacity.
+# - 3 layers: at 3.07 M rows each, 1 / 2 / 3 layers walked 1.426 / 1.504 / 1.526 on
+#   held-out answers (the trainer's 685-block evaluation 1.447 / 1.527 / 1.590); a layer
+#   costs no more per training row on this box (the step is dominated by context compute).
+# - 5900 steps of 16 x 32 anchors: 12.1 M draft rows, 10.5x smollm2-default's 1.15 M.
+RECIPES["smollm2-l3"] = {**RECIPES["smollm2-scaled"], "token_budget": 1_040_000, "layers": 3,
+                         "steps": 5900}
 RECIPE_NOTES = {
     "smollm2-scaled": "the shipped SmolLM2-135M-Instruct drafter: smollm2-default's prompts + "
                       "2336 self-written user turns, 518 k greedy answer tokens, CE on cached "
