@@ -46,7 +46,8 @@ def rows_trained(run: Path, meta: dict, data: Path | None = None) -> tuple[int |
     log = run / "train_log.jsonl"
     if log.is_file():
         rows = [json.loads(x) for x in log.read_text().splitlines() if x.strip()]
-        tr = [r for r in rows if r.get("event") == "train"]
+        # A resumed run logs the steps after its last checkpoint again: the last one counts.
+        tr = list({r["step"]: r for r in rows if r.get("event") == "train"}.values())
         if tr and all("rows" in r for r in tr):
             return sum(int(r["rows"]) for r in tr), False
     tc = meta.get("train_config", {})
