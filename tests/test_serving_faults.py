@@ -89,7 +89,7 @@ def inject(where: str, attr: str):
             runner._onlinespec_saved_profile = runner._onlinespec_profile
             runner._onlinespec_profile = Broken()
             return True
-        obj = runner._onlinespec if where == "session" else runner._onlinespec.cutter
+        obj = runner._onlinespec if where == "session" else getattr(runner._onlinespec, where)
 
         def boom(*a, **k):
             raise ZeroDivisionError(f"injected: {where}.{attr}")
@@ -106,7 +106,7 @@ def restore(where: str, attr: str):
         if where == "profile":
             runner._onlinespec_profile = runner._onlinespec_saved_profile
             return True
-        obj = runner._onlinespec if where == "session" else runner._onlinespec.cutter
+        obj = runner._onlinespec if where == "session" else getattr(runner._onlinespec, where)
         obj.__dict__.pop(attr, None)
         return True
 
@@ -116,10 +116,10 @@ def restore(where: str, attr: str):
 # (where, attribute made to raise, hooks that must count it)
 FAULTS = [
     ("session", "capture", ["capture"]),
-    ("session", "_feedback", ["feedback"]),
+    ("feedback", "observe", ["feedback"]),
     ("session", "_publish", ["publish"]),
     ("session", "_write_metrics", ["metrics"]),
-    ("session", "observe_step_cost", ["sample"]),
+    ("drafting", "observe_step_cost", ["sample"]),
     ("cutter", "observe_hidden", ["draft_hidden"]),
     ("cutter", "cut", ["cut"]),
     ("profile", "*", ["execute_model", "sample", "propose_draft_token_ids"]),
