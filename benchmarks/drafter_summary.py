@@ -97,6 +97,8 @@ def main() -> int:
     ap.add_argument("--data", action="append", default=[], metavar="NAME=DIR",
                     help="a drafter's training data folder, to count its rows where its log has none")
     ap.add_argument("--out", default="docs/results")
+    ap.add_argument("--keep-old", action="store_true",
+                    help="keep drafter.json's rows of drafters not given here (measured before)")
     args = ap.parse_args()
 
     walks = {Path(r["drafter"]).resolve(): r for r in json.loads(Path(args.walk).read_text())}
@@ -110,8 +112,9 @@ def main() -> int:
         data = dict(x.split("=", 1) for x in args.data).get(name)
         n_rows, est = rows_trained(d, meta, Path(data) if data else None)
         w = walks.get(d, {})
-        arm = next((v for k, v in served.items()
-                    if k.startswith("recipe-k") and k.endswith(":" + d.name)), {})
+        # The drafter's served row: the recommended recipe (suffix tree), else the ngram one.
+        arm = next((v for prefix in ("recipe-tree-k", "recipe-k") for k, v in served.items()
+                    if k.startswith(prefix) and k.endswith(":" + d.name)), {})
         rows.append({
             "name": name, "path": path, "layers": cfg["num_hidden_layers"],
             "K": meta.get("num_speculative_tokens"), "rows_trained": n_rows,
@@ -127,6 +130,11 @@ def main() -> int:
             "speedup_b1": arm.get("speedup_b1"), "speedup_b8": arm.get("speedup_b8"),
             "served": arm})
     out = Path(args.out)
+    # Rows of drafters not re-measured here (an older recipe) stay as they were.
+    if (out / "drafter.json").is_file():
+        named = {r["name"] for r in rows}
+        rows = [r for r in json.loads((out / "drafter.json").read_text()).get("drafters", [])
+                if r["name"] not in named and args.keep_old] + rows
     (out / "drafter.json").write_text(json.dumps(
         {"drafters": rows, "served_arms": served,
          "sources": {"walk": args.walk, "served": args.served}}, indent=1) + "\n")
