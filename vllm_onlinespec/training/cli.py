@@ -116,13 +116,14 @@ RECIPES: dict[str, dict] = {
 RECIPES["smollm2-l3"] = {**RECIPES["smollm2-scaled"], "token_budget": 1_040_000, "layers": 3,
                          "steps": 5900}
 RECIPE_NOTES = {
-    "smollm2-scaled": "the shipped SmolLM2-135M-Instruct drafter: smollm2-default's prompts + "
+    "smollm2-scaled": "the 1-layer drafter shipped before smollm2-l3: smollm2-default's prompts + "
                       "2336 self-written user turns, 518 k greedy answer tokens, CE on cached "
                       "target labels, 16 x 32 anchors a step in bf16, 3400 steps, an 8192-token "
                       "draft vocabulary; ~80 min from scratch on 2 cores",
     "smollm2-l3": "smollm2-scaled's prompts at a 1.04 M token budget (greedy + one sampled "
                   "answer each: 1.03 M response tokens), 3 drafter layers, 5900 steps (12.1 M "
-                  "draft rows); ~3.5 h from scratch on 2 cores",
+                  "draft rows); the shipped SmolLM2-135M-Instruct drafter; ~4 h from scratch "
+                  "on 2 cores",
     "smollm2-small": "a ~15-min drafter: 200 prompts x 192 greedy tokens, 1 layer, K = 7",
     "smollm2-default": "the drafter shipped before smollm2-scaled: Spec-Bench (without "
                        "math_reasoning) + HumanEval, greedy + 2 sampled answers + 1 follow-up per "
