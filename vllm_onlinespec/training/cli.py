@@ -112,7 +112,7 @@ RECIPES: dict[str, dict] = {
 # - 3 layers: at 3.07 M rows each, 1 / 2 / 3 layers walked 1.426 / 1.504 / 1.526 on
 #   held-out answers (the trainer's 685-block evaluation 1.447 / 1.527 / 1.590); a layer
 #   costs no more per training row on this box (the step is dominated by context compute).
-# - 5900 steps of 16 x 32 anchors: 12.1 M draft rows, 10.5x smollm2-default's 1.15 M.
+# - 5900 steps of 16 x 32 anchors: 11.9 M draft rows, 10.3x smollm2-default's 1.15 M.
 RECIPES["smollm2-l3"] = {**RECIPES["smollm2-scaled"], "token_budget": 1_040_000, "layers": 3,
                          "steps": 5900}
 RECIPE_NOTES = {
@@ -121,7 +121,7 @@ RECIPE_NOTES = {
                       "target labels, 16 x 32 anchors a step in bf16, 3400 steps, an 8192-token "
                       "draft vocabulary; ~80 min from scratch on 2 cores",
     "smollm2-l3": "smollm2-scaled's prompts at a 1.04 M token budget (greedy + one sampled "
-                  "answer each: 1.03 M response tokens), 3 drafter layers, 5900 steps (12.1 M "
+                  "answer each: 1.03 M response tokens), 3 drafter layers, 5900 steps (11.9 M "
                   "draft rows); the shipped SmolLM2-135M-Instruct drafter; ~4 h from scratch "
                   "on 2 cores",
     "smollm2-small": "a ~15-min drafter: 200 prompts x 192 greedy tokens, 1 layer, K = 7",
