@@ -295,3 +295,24 @@ def test_k0_arm_drafts_nothing(tmp_path, drafter_dir):
     cfg = OnlineSpecConfig.from_any(k0.onlinespec)
     assert cfg.features.plain and not cfg.enabled and k0.num_speculative_tokens == 7
     assert cfg.length_head.k0_step == "context_only"
+
+
+def test_vllm_suffix_arms_serve_vllms_suffix_decoding_without_a_drafter(tmp_path, monkeypatch):
+    from vllm_onlinespec.drafter import suffix_tree
+
+    monkeypatch.setattr(suffix_tree, "suffix_cache_class", lambda: object)
+    own = make_arm("vllm-suffix", target="t", prompts="p", out_dir=tmp_path)
+    assert own.speculative_config == {"method": "suffix", "num_speculative_tokens": 24}
+    assert own.drafter is None and own.onlinespec is None
+    k4 = make_arm("vllm-suffix4", target="t", prompts="p", out_dir=tmp_path)
+    assert k4.speculative_config["num_speculative_tokens"] == 4
+    for bad in ("vllm-suffix0", "vllm-suffixx", "vllm-suffix+tree"):
+        assert not known_arm(bad)
+
+    def missing():
+        raise ImportError("no arctic")
+
+    monkeypatch.setattr(suffix_tree, "suffix_cache_class", missing)
+    with pytest.raises(ValueError, match=r"^arm 'vllm-suffix': vLLM's suffix decoding needs "
+                                         r"arctic_inference.*suffix_install"):
+        make_arm("vllm-suffix", target="t", prompts="p", out_dir=tmp_path)

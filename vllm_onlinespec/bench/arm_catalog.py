@@ -2,6 +2,8 @@
 
     nospec                       plain vLLM, no speculation
     ngram                        vLLM's prompt-lookup speculation, same K as the drafter
+    vllm-suffix, vllm-suffix<K>  vLLM's suffix decoding (`method: "suffix"`, arctic-inference's
+                                 trees, no drafter) at its own default K (24), or at K
     vllm-dflash                  vLLM's own DFlash worker with our drafter, fixed K, no onlinespec
     vllm-dynamic                 the same with vLLM's per-batch-size K (`k_per_batch_size`, a list
                                  of [first_bs, last_bs, K] applied by vLLM's scheduler; K >= 0)
@@ -87,6 +89,20 @@ NO_LOOKUP_SUFFIX = "+nolookup"  # the drafter alone, where the base settings wou
 TREE_K = PRESET_K["cpu"]
 
 
+VLLM_SUFFIX = "vllm-suffix"
+VLLM_SUFFIX_DEFAULT_K = 24  # vLLM's suffix_decoding_max_tree_depth, its K when none is given
+
+
+def suffix_k(name: str) -> int | None:
+    """K of a vLLM suffix-decoding arm name (`vllm-suffix` = vLLM's default), else None."""
+    if not name.startswith(VLLM_SUFFIX):
+        return None
+    tail = name[len(VLLM_SUFFIX):]
+    if not tail:
+        return VLLM_SUFFIX_DEFAULT_K
+    return int(tail) if tail.isdigit() and int(tail) > 0 else None
+
+
 def _parse(name: str) -> tuple[str, dict | None]:
     """(method, onlinespec overrides or None) for an arm name."""
     if name.endswith(TREE_SUFFIX):
@@ -113,6 +129,8 @@ def _parse(name: str) -> tuple[str, dict | None]:
         return "none", None
     if name == "ngram":
         return "ngram", None
+    if suffix_k(name) is not None:
+        return "suffix", None
     if name in ("vllm-dflash", "vllm-dynamic"):
         return "dflash", None
     if name == "frozen":
@@ -127,7 +145,8 @@ def _parse(name: str) -> tuple[str, dict | None]:
         return "dflash", {"length_head": _policy(name)}
     if name.startswith("frozen-") and name[7:] in POLICIES:
         return "dflash", {"enabled": False, "length_head": _policy(name[7:])}
-    raise ValueError(f"unknown arm {name!r}; known: nospec, ngram, vllm-dflash, vllm-dynamic, "
+    raise ValueError(f"unknown arm {name!r}; known: nospec, ngram, vllm-suffix[K], vllm-dflash, "
+                     "vllm-dynamic, "
                      "frozen, k0, shadow, "
                      + ", ".join(f"online-{a}" for a in ALGORITHMS) + ", "
                      + ", ".join(POLICIES) + ", frozen-<policy>, and <our arm>+lookup, +tree "
@@ -190,6 +209,11 @@ def make_arm(name: str, *, target: str, prompts: str, out_dir: str | Path,
         lookup = (onlinespec or {}).get("prompt_lookup", {})
         tree = lookup.get("enabled") and lookup.get("source") == "suffix_tree"
         k = num_speculative_tokens or (TREE_K if tree else drafter_k(drafter) if drafter else 4)
+        if method == "suffix":
+            from vllm_onlinespec.drafter.suffix_tree import require_suffix_decoding
+
+            require_suffix_decoding(f"arm {name!r}")  # one line here, not a failed server start
+            k = suffix_k(name)
     return ArmSpec(name=name, target=target, prompts=str(prompts),
                    out=str(Path(out_dir) / "arms" / f"{name}.json"), method=method,
                    drafter=drafter if method == "dflash" else None,

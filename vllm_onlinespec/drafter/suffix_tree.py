@@ -32,6 +32,16 @@ def suffix_cache_class():
     return SuffixDecodingCache
 
 
+def require_suffix_decoding(what: str) -> None:
+    """A one-line error naming `what` and the installer when arctic-inference is missing."""
+    try:
+        suffix_cache_class()
+    except ImportError:
+        raise ValueError(f"{what}: vLLM's suffix decoding needs arctic_inference.suffix_decoding: "
+                         "run `python -m vllm_onlinespec.suffix_install` (`make setup` does)"
+                         ) from None
+
+
 @dataclass(frozen=True)
 class TreeDraft:
     tokens: list[int]
