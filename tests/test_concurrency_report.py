@@ -55,3 +55,42 @@ def test_skip_prompts_leaves_out_what_a_report_run_serves(tmp_path, smollm2_path
     assert len(left) == n_full - 64 and not set(served) & set(left)
     with pytest.raises(ValueError, match="leaves no prompt"):
         write_dataset(str(src), tmp_path / "none", smollm2_path, 512, skip_prompts=n_full)
+
+
+def test_rounds_start_every_arm_once_per_round_in_reversed_order(tmp_path, monkeypatch,
+                                                                 smollm2_path):
+    """--rounds 2: each arm's server starts once per round, the second round in reverse order,
+    its repeats numbered after the first round's; the summary counts every repeat."""
+    import argparse
+    import json
+
+    from vllm_onlinespec.bench import concurrency as C
+
+    calls = []
+
+    def fake_run_arm(spec, dataset, concurrencies, prompts_for, output_len, out, repeats,
+                     first_repeat=0):
+        calls.append((spec.name, first_repeat))
+        return [_pt(spec.name, c, r, 10.0 + r) for r in range(first_repeat, first_repeat + repeats)
+                for c in concurrencies]
+
+    monkeypatch.setattr(C, "run_arm", fake_run_arm)
+    def fake_dataset(spec_bench, out, *a, **k):
+        out.mkdir(parents=True, exist_ok=True)
+        return out / "data.jsonl"
+
+    monkeypatch.setattr(C, "write_dataset", fake_dataset)
+    p = argparse.ArgumentParser()
+    C.add_bench_serve_parser(p.add_subparsers(dest="verb"))
+    args = p.parse_args(["bench-serve", "--spec-bench", "q.jsonl", "--arms", "nospec,ngram",
+                         "--concurrency", "1,4", "--repeats", "2", "--rounds", "2",
+                         "--target", smollm2_path, "--out", str(tmp_path / "out")])
+    assert C.run_bench_serve(args) == 0
+    assert calls == [("nospec", 0), ("ngram", 0), ("ngram", 2), ("nospec", 2)]
+    saved = json.loads((tmp_path / "out" / "concurrency.json").read_text())
+    assert saved["run_order"] == [["nospec", "ngram"], ["ngram", "nospec"]]
+    assert {(r["arm"], r["concurrency"], r["repeats"]) for r in saved["rows"]} == {
+        (a, c, 4) for a in ("nospec", "ngram") for c in (1, 4)}
+    args.rounds = 0
+    with pytest.raises(ValueError, match="--repeats and --rounds must be >= 1"):
+        C.run_bench_serve(args)

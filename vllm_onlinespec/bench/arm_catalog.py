@@ -66,6 +66,11 @@ def drafter_k(drafter: str | Path) -> int:
     return load_drafter_config(drafter).num_draft_tokens
 
 
+def needs_drafter(name: str) -> bool:
+    """Whether the arm serves a DFlash drafter (vLLM's ngram and suffix decoding do not)."""
+    return _parse(name)[0] == "dflash"
+
+
 def known_arm(name: str) -> bool:
     try:
         _parse(name)

@@ -194,7 +194,8 @@ def check_protocol(args: argparse.Namespace) -> None:
 def run_bench(args: argparse.Namespace) -> int:
     from transformers import AutoTokenizer
 
-    from vllm_onlinespec.bench.arm_catalog import base_settings, make_arm, merge_sections, suffix_k
+    from vllm_onlinespec.bench.arm_catalog import base_settings, make_arm, merge_sections
+    from vllm_onlinespec.bench.arm_catalog import needs_drafter as arm_needs_drafter
     from vllm_onlinespec.bench.drafters import cache_key, ensure_drafter
     from vllm_onlinespec.bench.launch import counterbalanced, run_arms
     from vllm_onlinespec.bench import report as R
@@ -219,7 +220,7 @@ def run_bench(args: argparse.Namespace) -> int:
     target = resolve(args.target)
     tok = AutoTokenizer.from_pretrained(target)
 
-    needs_drafter = any(a not in ("nospec", "ngram") and suffix_k(a) is None for a in arms)
+    needs_drafter = any(arm_needs_drafter(a) for a in arms)
     drafter = args.drafter
     train_prompts = load_categories(train_cats, args.spec_bench) if train_cats else []
     if needs_drafter and drafter is None:

@@ -189,7 +189,7 @@ def write_dataset(spec_bench: str, out: Path, tokenizer_path: str, max_prompt_to
 
 
 def run_arm(spec: ArmSpec, dataset: Path, concurrencies: list[int], prompts_for, output_len: int,
-            out: Path, repeats: int = 1) -> list[Point]:
+            out: Path, repeats: int = 1, first_repeat: int = 0) -> list[Point]:
     """One server for the arm; the whole concurrency sweep `repeats` times, so that a slow
     drift of the machine spreads over every point rather than biasing one. Every repeat serves
     the same prompts: vLLM 0.32's spec_bench loader shuffles with a fixed seed (it does not
@@ -200,13 +200,15 @@ def run_arm(spec: ArmSpec, dataset: Path, concurrencies: list[int], prompts_for,
     logs.mkdir(parents=True, exist_ok=True)
     points: list[Point] = []
     clear_own_checkpoints(spec)
-    with open(logs / f"{spec.name}.serve.log", "w") as slog, \
-            open(logs / f"{spec.name}.bench.log", "w") as blog:
+    mode = "w" if first_repeat == 0 else "a"  # a later round's server appends to the round's logs
+    with open(logs / f"{spec.name}.serve.log", mode) as slog, \
+            open(logs / f"{spec.name}.bench.log", mode) as blog:
         proc = subprocess.Popen(serve_cmd(spec, port), stdout=slog, stderr=subprocess.STDOUT,
                                 env={**os.environ, **SAME_RUNNER_ENV, "VLLM_LOGGING_LEVEL": "INFO"})
         try:
             wait_healthy(url, proc)
-            plan = [(rep, c) for rep in range(repeats) for c in concurrencies]
+            plan = [(rep, c) for rep in range(first_repeat, first_repeat + repeats)
+                    for c in concurrencies]
             for rep, c in tqdm(plan, desc=f"{spec.name:>12}", unit="pt", leave=True):
                 n = prompts_for(c)
                 before = scrape(url)
@@ -366,21 +368,26 @@ def add_bench_serve_parser(sub: argparse._SubParsersAction) -> None:
     a("--online", default="{}", help="JSON merged into the learning arms' onlinespec settings")
     a("--k-per-batch-size", type=json.loads, default=None, metavar="JSON",
       help="vLLM's per-batch-size K for the vllm-dynamic arm: [[first_bs, last_bs, K], ...]")
-    a("--repeats", type=int, default=3, help="sweeps per arm over the same prompts "
+    a("--repeats", type=int, default=3, help="sweeps per arm and server over the same prompts "
       "(timing repeats; default 3)")
+    a("--rounds", type=int, default=1, help="servers per arm: each round starts every arm's "
+      "server once and runs --repeats sweeps on it, the arm order reversed on every other "
+      "round, so the box's drift weighs on every arm alike (default 1)")
     a("--out", required=True)
     b.set_defaults(func=run_bench_serve)
 
 
 def run_bench_serve(args: argparse.Namespace) -> int:
-    from vllm_onlinespec.bench.arm_catalog import base_settings, merge_sections, make_arm
+    from vllm_onlinespec.bench.arm_catalog import (base_settings, make_arm, merge_sections,
+                                                   needs_drafter)
+    from vllm_onlinespec.bench.launch import counterbalanced
     from vllm_onlinespec.models import ModelError, resolve, shipped_drafter
 
     out = Path(args.out)
     target = resolve(args.target)
     arms = [x.strip() for x in args.arms.split(",") if x.strip()]
     drafter = args.drafter
-    if drafter is None and any(a != "nospec" for a in arms):
+    if drafter is None and any(needs_drafter(a) for a in arms):
         try:
             drafter = str(shipped_drafter(args.target))
         except ModelError as e:
@@ -392,25 +399,29 @@ def run_bench_serve(args: argparse.Namespace) -> int:
     dataset = write_dataset(args.spec_bench, out, target, args.max_prompt_tokens,
                             args.skip_prompts)
     points: list[Point] = []
-    if args.repeats < 1:
-        raise ValueError(f"--repeats must be >= 1, got {args.repeats}")
+    if args.repeats < 1 or args.rounds < 1:
+        raise ValueError(f"--repeats and --rounds must be >= 1, got {args.repeats} and "
+                         f"{args.rounds}")
     specs = [make_arm(name, target=target, prompts=str(dataset), out_dir=out, drafter=drafter,
                       online=online, dtype=args.dtype,
                       k_per_batch_size=args.k_per_batch_size if name == "vllm-dynamic" else None)
              for name in arms]  # every arm's settings are checked before the first server starts
-    for name, spec in zip(arms, specs):
-        try:
-            points += run_arm(spec, dataset, concurrencies,
-                              lambda c: args.num_prompts or max(8, round(args.prompts_per_c * c)),
-                              args.output_len, out, args.repeats)
-        except Exception as e:  # noqa: BLE001 - the other arms still run
-            tqdm.write(f"{name}: FAILED: {e}")
-        (out / "concurrency.json").write_text(json.dumps(
-            {"arms": arms, "drafter": drafter, "online": online, "repeats": args.repeats,
-             "k_per_batch_size": args.k_per_batch_size, "output_len": args.output_len,
-             "rows": [asdict(r) for r in summarize(points)],
-             "points": [asdict(p) for p in points]},
-            indent=1))
+    run_order = [[arms[i] for i in counterbalanced(len(arms), rnd)] for rnd in range(args.rounds)]
+    prompts_for = lambda c: args.num_prompts or max(8, round(args.prompts_per_c * c))  # noqa: E731
+    for rnd, order in enumerate(run_order):
+        for name in order:
+            try:
+                points += run_arm(specs[arms.index(name)], dataset, concurrencies, prompts_for,
+                                  args.output_len, out, args.repeats, rnd * args.repeats)
+            except Exception as e:  # noqa: BLE001 - the other arms still run
+                tqdm.write(f"{name}: FAILED: {e}")
+            (out / "concurrency.json").write_text(json.dumps(
+                {"arms": arms, "drafter": drafter, "online": online, "repeats": args.repeats,
+                 "rounds": args.rounds, "run_order": run_order,
+                 "k_per_batch_size": args.k_per_batch_size, "output_len": args.output_len,
+                 "rows": [asdict(r) for r in summarize(points)],
+                 "points": [asdict(p) for p in points]},
+                indent=1))
     (out / "concurrency.md").write_text("# vllm bench serve, Spec-Bench\n\n" + markdown(points))
     print("\n" + markdown(points))
     if points:
