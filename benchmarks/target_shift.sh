@@ -3,6 +3,9 @@
 # shipped for the base model (SmolLM2-135M-Instruct) serves:
 #   finetuned   64 Spec-Bench math word problems to smollm2-135m-terse (the base fine-tuned to
 #               answer in terse numbered steps): the gap online learning exists for
+#   swap        the same 64 prompts, the base target until request 32, then its weights replaced
+#               in place by smollm2-135m-terse's (`bench --swap-to`: as an RL loop does; every
+#               arm faces it, vLLM's own arms through vLLM's reload)
 #   in_domain   the drafter's own held-out prompts (43, never trained on) on the base target:
 #               what learning costs where there is little to learn
 #   cold_start  the same 64 math word problems on the base target from a cold drafter
@@ -15,7 +18,7 @@
 # The learner's settings are the preset's (chosen on the domain-shift tuning stream, never on
 # these streams).
 #
-#   benchmarks/target_shift.sh [SPEC_BENCH] [OUT] [SCENARIO ...]      (default: all three)
+#   benchmarks/target_shift.sh [SPEC_BENCH] [OUT] [SCENARIO ...]      (default: all four)
 #
 # Output: OUT/<scenario>/[seed-S/]report.{md,json}, then OUT/target_shift.{md,json,png}
 # (benchmarks/target_shift_report.py; REPORT_OUT=docs/results writes the page there).
@@ -25,7 +28,7 @@ ROOT="$(cd "$(dirname "$0")/.." && pwd)"
 SPEC_BENCH=${1:-$ROOT/../shared/data/spec_bench/question.jsonl}
 OUT=${2:-$ROOT/runs/target_shift}
 shift $(( $# > 2 ? 2 : $# )) || true
-SCENARIOS=${*:-finetuned in_domain cold_start}
+SCENARIOS=${*:-finetuned swap in_domain cold_start}
 CLI=${CLI:-vllm-onlinespec}
 PY=${PY:-python}
 DRAFTER=${DRAFTER:-$($CLI model drafter smollm2-135m)}
@@ -38,6 +41,9 @@ for sc in $SCENARIOS; do
     finetuned)
       $CLI bench --target smollm2-135m-terse --drafter "$DRAFTER" "${MATH[@]}" --arms "$PEERS" \
         "${COMMON[@]}" --out "$OUT/finetuned" ;;
+    swap)
+      $CLI bench --target smollm2-135m --swap-to smollm2-135m-terse --swap-at 33 \
+        --drafter "$DRAFTER" "${MATH[@]}" --arms "$PEERS" "${COMMON[@]}" --out "$OUT/swap" ;;
     in_domain)
       $CLI bench --target smollm2-135m --drafter "$DRAFTER" \
         --prompts "$DRAFTER/heldout_prompts.jsonl" --num-prompts 64 --arms "$PEERS" \
@@ -46,7 +52,7 @@ for sc in $SCENARIOS; do
       $PY "$ROOT/benchmarks/cold_drafter.py" --like "$DRAFTER" --out "$OUT/cold_drafter" --seed 0
       $CLI bench --target smollm2-135m --drafter "$OUT/cold_drafter" "${MATH[@]}" \
         --arms nospec,frozen,online-ogd "${COMMON[@]}" --out "$OUT/cold_start" ;;
-    *) echo "unknown scenario $sc (finetuned, in_domain, cold_start)" >&2; exit 2 ;;
+    *) echo "unknown scenario $sc (finetuned, swap, in_domain, cold_start)" >&2; exit 2 ;;
   esac
 done
 $PY "$ROOT/benchmarks/target_shift_report.py" --run "$OUT" --out "${REPORT_OUT:-$OUT}"

@@ -26,6 +26,7 @@ def scenario_rows(folder: Path, scenario: str) -> list[dict]:
     """One row per arm: medians over the orders, spreads, and each order's window series."""
     summary = json.loads((folder / "report.json").read_text())
     series: dict[str, list[list[dict]]] = {}
+    swaps: dict[str, list[float]] = {}  # arm -> the swap's time in each order
     for seed in summary["seeds"]:
         run = json.loads((folder / f"seed-{seed}" / "report.json").read_text())
         for arm in run["arms"]:
@@ -34,7 +35,10 @@ def scenario_rows(folder: Path, scenario: str) -> list[dict]:
                 series.setdefault(name, []).append(
                     [{"t_s": round(w["t_start_s"], 1), "tok_s": round(w["tok_s"], 2),
                       "accept_len": round(w["acceptance_length"], 3),
+                      "drafts": w.get("drafts", 0), "accepted": w.get("accepted", 0),
                       "version": w.get("version_end")} for w in arm["waves"]])
+                if arm.get("swap"):
+                    swaps.setdefault(name, []).append(arm["swap"]["t_s"])
     rows = []
     for s in summary["summary"]:
         name = ARM_NAMES.get(s["arm"])
@@ -47,9 +51,37 @@ def scenario_rows(folder: Path, scenario: str) -> list[dict]:
                      "accept_len": med["acceptance_length"],
                      "accept_len_first_20": med.get("first_20"),
                      "accept_len_last_quarter": med.get("last_quarter"),
-                     "failed_requests": s["failed_requests"], "windows": series.get(name, [])})
+                     "failed_requests": s["failed_requests"], "windows": series.get(name, []),
+                     **around_swap(series.get(name, []), swaps.get(name, []))})
     rows.sort(key=lambda r: ARM_ORDER.index(r["arm"]))
     return rows
+
+
+def _accept(windows: list[dict]) -> float | None:
+    drafts = sum(w["drafts"] for w in windows)
+    return (sum(w["accepted"] for w in windows) + drafts) / drafts if drafts else None
+
+
+def around_swap(orders: list[list[dict]], swap_t: list[float]) -> dict:
+    """Acceptance (tokens per verify step) in the windows before the swap, in the first window
+    after it and over the last quarter of the stream's windows: medians over the orders."""
+    if not swap_t or len(swap_t) != len(orders):
+        return {}
+    before, first, last = [], [], []
+    for ws, t in zip(orders, swap_t):
+        pre = [w for w in ws if w["t_s"] < t - 1e-6]
+        post = [w for w in ws if w["t_s"] >= t - 1e-6]
+        before.append(_accept(pre))
+        first.append(_accept(post[:1]))
+        last.append(_accept(post[-max(1, len(post) // 4):]))
+
+    def med(xs):
+        xs = [x for x in xs if x is not None]
+        return statistics.median(xs) if xs else None
+
+    return {"swap_t_s": med(swap_t), "accept_len_before_swap": med(before),
+            "accept_len_first_window_after_swap": med(first),
+            "accept_len_last_quarter_after_swap": med(last)}
 
 
 def goals(rows: list[dict]) -> list[str]:
@@ -62,6 +94,15 @@ def goals(rows: list[dict]) -> list[str]:
         tok = on["tok_s"] / fr["tok_s"]
         out.append(f"finetuned: online acceptance over the last quarter {late:.3f}x frozen "
                    f"(goal >= 1.25x), whole-stream tok/s {tok:.3f}x frozen (goal >= 1.1x)")
+    fr, on = by.get(("swap", "frozen")), by.get(("swap", "online"))
+    if fr and on and fr.get("accept_len_before_swap") and on.get("accept_len_last_quarter_after_swap"):
+        cost = fr["accept_len_before_swap"] - fr["accept_len_last_quarter_after_swap"]
+        won = on["accept_len_last_quarter_after_swap"] - fr["accept_len_last_quarter_after_swap"]
+        share = f"{won / cost:.0%}" if cost > 0 else "n/a (the swap cost frozen nothing)"
+        out.append(f"swap: frozen {fr['accept_len_before_swap']:.3f} before the swap, "
+                   f"{fr['accept_len_last_quarter_after_swap']:.3f} over the last quarter after "
+                   f"it; online {on['accept_len_last_quarter_after_swap']:.3f}: recovered {share} "
+                   f"of what the swap cost (goal >= 80 % within 200 requests)")
     fr, on = by.get(("in_domain", "frozen")), by.get(("in_domain", "online"))
     if fr and on:
         out.append(f"in_domain: online tok/s {on['tok_s'] / fr['tok_s']:.3f}x frozen "

@@ -96,6 +96,37 @@ def test_engine_failure_fails_every_waiting_request_and_later_submits():
         loop.submit([1]).result()
 
 
+def test_between_steps_runs_on_the_loop_thread_between_steps():
+    """A mid-stream call (the target swap) runs on the engine's own thread while requests are
+    in flight, its result or exception reaches the caller, serving goes on, and a probe marks
+    the moment; after an engine failure a call is refused."""
+    eng = FakeEngine()
+    loop = EngineLoop(eng, None, _probe_counts(eng), window_s=10.0).start()
+    first = [loop.submit([1] * 30) for _ in range(2)]
+    while eng.steps < 3:
+        time.sleep(0.001)
+    seen = {}
+
+    def swap():
+        seen.update(thread=threading.get_ident(), running=len(eng.running), steps=eng.steps)
+        return {"seconds": 0.0}
+
+    assert loop.between_steps(swap).result(timeout=5) == {"seconds": 0.0}
+    with pytest.raises(ValueError, match="bad folder"):
+        loop.between_steps(lambda: (_ for _ in ()).throw(ValueError("bad folder"))).result(5)
+    later = loop.submit([1] * 3)
+    probes = loop.close()
+    assert {seen["thread"]} | eng.thread == eng.thread and len(eng.thread) == 1
+    assert seen["running"] == 2 and 3 <= seen["steps"] < 30  # mid-stream, requests in flight
+    assert [len(f.result().output.outputs[0].token_ids) for f in first + [later]] == [30, 30, 3]
+    assert any(0 < p.t_s < probes[-1].t_s and p.drafts == seen["steps"] for p in probes)
+    dead = EngineLoop(FakeEngine(fail_at=1), None, _probe_counts(FakeEngine()), window_s=1.0).start()
+    dead.submit([1, 2]).exception(timeout=5)
+    dead.close()
+    with pytest.raises(RuntimeError, match="engine died"):
+        dead.between_steps(lambda: None).result(timeout=5)
+
+
 def test_a_bad_request_fails_alone():
     eng = FakeEngine()
     loop = EngineLoop(eng, None, _probe_counts(eng), window_s=1.0).start()
@@ -150,7 +181,8 @@ def test_seed_summary_median_and_spread():
 
 
 def _args(**kw):
-    base = dict(arrivals="", catch_up_s=0.0, window_s=20.0, seeds=None, seed=0)
+    base = dict(arrivals="", catch_up_s=0.0, window_s=20.0, seeds=None, seed=0, swap_to=None,
+                swap_at=0)
     return argparse.Namespace(**{**base, **kw})
 
 
@@ -164,6 +196,14 @@ def test_bench_protocol_flags_fail_in_one_line():
         check_protocol(_args(arrivals="poisson:0.5", catch_up_s=8))
     with pytest.raises(ValueError, match="--window-s"):
         check_protocol(_args(arrivals="closed:1", window_s=0))
+    check_protocol(_args(arrivals="closed:4", swap_to="m", swap_at=3))
+    for bad in (dict(swap_to="m"), dict(swap_at=3)):
+        with pytest.raises(ValueError, match="--swap-to MODEL and --swap-at N"):
+            check_protocol(_args(arrivals="closed:4", **bad))
+    with pytest.raises(ValueError, match=r"--swap-at must be >= 1 \(got -1\)"):
+        check_protocol(_args(arrivals="closed:4", swap_to="m", swap_at=-1))
+    with pytest.raises(ValueError, match="give --arrivals"):
+        check_protocol(_args(swap_to="m", swap_at=3))
     assert parse_seeds(_args(seeds="0, 1,2")) == [0, 1, 2]
     assert parse_seeds(_args(seed=5)) == [5]
     for bad in ("0,0", "a,b", ","):

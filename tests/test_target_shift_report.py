@@ -58,3 +58,29 @@ def test_rows_goals_and_page(tmp_path):
     assert "| finetuned | online | 121.0 (120.0-122.0) | 1.21x (0.90-1.10) | 1.75 | 1.40 | 1.75 | 0 |" in md
     with pytest.raises(FileNotFoundError):
         mod.scenario_rows(tmp_path / "missing", "finetuned")
+
+
+def test_swap_scenario_splits_the_windows_at_the_swap(tmp_path):
+    mod = _load()
+    folder = tmp_path / "swap"
+    folder.mkdir()
+    arms = {"nospec": [(1, 0)] * 4, "frozen": [(10, 10), (10, 4), (10, 4), (10, 4)],
+            "online-ogd": [(10, 10), (10, 4), (10, 6), (10, 9)]}  # (drafts, accepted) per window
+    summary = [{"arm": a, "seeds": 2, "failed_requests": 0,
+                "median": {"tok_s": 1.0, "acceptance_length": 1.5}, "spread": {"tok_s": [1, 1]}}
+               for a in arms]
+    (folder / "report.json").write_text(json.dumps({"seeds": [0, 1], "summary": summary}))
+    for seed in (0, 1):
+        (folder / f"seed-{seed}").mkdir()
+        run = {"arms": [{"spec": {"name": a}, "swap": {"t_s": 20.0, "request": 33},
+                         "waves": [{"t_start_s": 20.0 * i, "tok_s": 1.0, "drafts": d,
+                                    "accepted": acc, "acceptance_length": (acc + d) / d}
+                                   for i, (d, acc) in enumerate(ws)]} for a, ws in arms.items()]}
+        (folder / f"seed-{seed}" / "report.json").write_text(json.dumps(run))
+    rows = {r["arm"]: r for r in mod.scenario_rows(folder, "swap")}
+    fr, on = rows["frozen"], rows["online"]
+    assert fr["accept_len_before_swap"] == pytest.approx(2.0) and fr["swap_t_s"] == 20.0
+    assert fr["accept_len_first_window_after_swap"] == pytest.approx(1.4)
+    assert on["accept_len_last_quarter_after_swap"] == pytest.approx(1.9)
+    (g,) = [x for x in mod.goals(list(rows.values())) if x.startswith("swap")]
+    assert "recovered 83% of what the swap cost" in g  # (1.9 - 1.4) / (2.0 - 1.4)

@@ -130,6 +130,22 @@ def run(spec: ArmSpec) -> ArmResult:
     return res
 
 
+def swap_weights(llm, spec: ArmSpec) -> dict:
+    """Replace the target's weights by spec.swap_to's in the running engine: this project's
+    worker through `swap_target` (the learner follows), vLLM's own workers through vLLM's
+    in-place reload (the peers face the same change)."""
+    t0 = time.perf_counter()
+    if spec.onlinespec is not None:
+        from vllm_onlinespec.serving.target_swap import swap_target
+
+        report = swap_target(llm, spec.swap_to)
+    else:
+        llm.collective_rpc("reload_weights", kwargs={"weights_path": spec.swap_to})
+        report = {}
+    return {"seconds": time.perf_counter() - t0,
+            "dropped_tokens": int(report.get("dropped_tokens", 0))}
+
+
 def serve_continuous(llm, spec: ArmSpec, prompts: list[dict], params, res: ArmResult) -> None:
     """The stream under spec.arrivals, nothing paused or left out: res.serve_s is from the
     first request sent to the last one finished, res.waves are windows of spec.window_s."""
@@ -151,8 +167,17 @@ def serve_continuous(llm, spec: ArmSpec, prompts: list[dict], params, res: ArmRe
                 st.learner.updates if st.learner else 0)
 
     loop = EngineLoop(llm.llm_engine, params, probe, window_s=spec.window_s).start()
+    sent = 0
 
     def submit(x):
+        nonlocal sent
+        sent += 1
+        if spec.swap_at and sent == spec.swap_at:
+            # Between two engine steps, on the loop's thread; no request is sent until it is done.
+            t = loop.now()
+            res.swap = {"request": sent, "t_s": t, "to": spec.swap_to,
+                        **loop.between_steps(lambda: swap_weights(llm, spec)).result()}
+            progress("swap", seconds=round(res.swap["seconds"], 2))
         fut = loop.submit(x)
         fut.add_done_callback(lambda f: progress("request", ok=f.exception() is None))
         return fut

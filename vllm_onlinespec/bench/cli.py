@@ -160,6 +160,11 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
       "interleaving categories (for streams whose order is the experiment; no --seeds)")
     a("--catch-up-s", type=float, default=0.0, help="after each wave, let the learner catch up "
       "for at most this many seconds (not counted as serving time; default 0)")
+    a("--swap-to", metavar="MODEL", help="continuous protocols: replace the target's weights "
+      "in place mid-stream by this model's (known name or HF folder of the same architecture "
+      "and vocabulary), as an RL loop or a fine-tuning job does; every arm faces the swap")
+    a("--swap-at", type=int, default=0, metavar="N", help="with --swap-to: swap before the N-th "
+      "request is sent (1-based; requests in flight run on)")
     a("--seed", type=int, default=0, help="stream order")
     a("--out", required=True, help="output folder")
     b.set_defaults(func=run_bench)
@@ -179,6 +184,12 @@ def parse_seeds(args: argparse.Namespace) -> list[int]:
 
 def check_protocol(args: argparse.Namespace) -> None:
     """The continuous protocols count everything: a learner pause would be left out."""
+    if (args.swap_to is None) != (args.swap_at == 0):
+        raise ValueError("--swap-to MODEL and --swap-at N (>= 1) go together")
+    if args.swap_at < 0:
+        raise ValueError(f"--swap-at must be >= 1 (got {args.swap_at})")
+    if args.swap_to and not args.arrivals:
+        raise ValueError("--swap-to swaps mid-stream in the continuous protocols: give --arrivals")
     if not args.arrivals:
         return
     from vllm_onlinespec.bench.arrivals import parse_arrivals
@@ -218,6 +229,12 @@ def run_bench(args: argparse.Namespace) -> int:
     # Read the serving prompts first: a bad prompt file must fail before a drafter is trained.
     serve_prompts = serving_prompts(args, serve_cats)
     target = resolve(args.target)
+    swap_to = None
+    if args.swap_to:
+        from vllm_onlinespec.serving.target_swap import check_swap
+
+        swap_to = resolve(args.swap_to)  # a known variant is merged on first use
+        check_swap(json.loads((Path(target) / "config.json").read_text()), swap_to)
     tok = AutoTokenizer.from_pretrained(target)
 
     needs_drafter = any(arm_needs_drafter(a) for a in arms)
@@ -245,7 +262,8 @@ def run_bench(args: argparse.Namespace) -> int:
                           drafter=drafter, num_speculative_tokens=args.num_spec_tokens,
                           online=online, dtype=args.dtype, wave=args.wave,
                           max_tokens=args.max_tokens, catch_up_s=args.catch_up_s,
-                          arrivals=args.arrivals, window_s=args.window_s)
+                          arrivals=args.arrivals, window_s=args.window_s,
+                          swap_at=args.swap_at, swap_to=swap_to)
                  for a in arms]
         results = run_arms(specs, sub, repeat)
         meta = {"arms": arms, "run_order": [arms[i] for i in counterbalanced(len(arms), repeat)],
@@ -255,7 +273,8 @@ def run_bench(args: argparse.Namespace) -> int:
                 "protocol": protocol, "arrivals": args.arrivals or None,
                 "window_s": args.window_s if args.arrivals else None, "wave": args.wave,
                 "max_tokens": args.max_tokens, "dtype": args.dtype, "online": online,
-                "catch_up_s": args.catch_up_s, "wall_s": round(time.perf_counter() - t0, 1)}
+                "catch_up_s": args.catch_up_s, "swap_to": swap_to, "swap_at": args.swap_at or None,
+                "wall_s": round(time.perf_counter() - t0, 1)}
         paths = R.write_report(results, sub, title="vllm-onlinespec bench", meta=meta)
         rows = R.summarize(results)
         print("\n" + R.text_table(rows))

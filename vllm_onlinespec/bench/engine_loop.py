@@ -65,6 +65,7 @@ class EngineLoop:
         self.probes: list[Probe] = []
         self.error: str | None = None
         self._inbox: queue.Queue = queue.Queue()
+        self._calls: queue.Queue = queue.Queue()  # between_steps: run on the loop thread
         self._pending: dict[str, concurrent.futures.Future] = {}
         self._sent: dict[str, float] = {}
         self._seen: dict[str, int] = {}  # tokens already counted per request (outputs are cumulative)
@@ -90,6 +91,17 @@ class EngineLoop:
             fut.set_exception(RuntimeError(self.error or "the engine loop is closed"))
             return fut
         self._inbox.put((list(prompt_token_ids), fut, self.now()))
+        return fut
+
+    def between_steps(self, fn: Callable[[], Any]) -> concurrent.futures.Future:
+        """Run `fn` on the loop thread between two engine steps (the engine's only user), e.g.
+        swapping the target's weights mid-stream; the future holds its result or exception.
+        Requests in flight keep running after it; a probe is taken right after it."""
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+        if self.error is not None or self._stop.is_set():
+            fut.set_exception(RuntimeError(self.error or "the engine loop is closed"))
+            return fut
+        self._calls.put((fn, fut))
         return fut
 
     def close(self) -> list[Probe]:
@@ -120,6 +132,18 @@ class EngineLoop:
             self._sent[rid] = sent
             self._seen[rid] = 0
 
+    def _run_calls(self) -> None:
+        while True:
+            try:
+                fn, fut = self._calls.get_nowait()
+            except queue.Empty:
+                return
+            try:
+                fut.set_result(fn())
+            except Exception as e:  # noqa: BLE001 - the caller decides; serving goes on
+                fut.set_exception(e)
+            self.probes.append(self._probe())  # a window edge where the call happened
+
     def _collect(self, outputs) -> None:
         for o in outputs:
             rid = o.request_id if o.request_id in self._pending else o.request_id.rsplit("-", 1)[0]
@@ -136,6 +160,7 @@ class EngineLoop:
         next_probe = self.window_s
         try:
             while True:
+                self._run_calls()
                 self._add_waiting()
                 if self._pending:
                     self._collect(self.engine.step())
@@ -154,6 +179,8 @@ class EngineLoop:
             self._pending.clear()
             while not self._inbox.empty():
                 self._inbox.get_nowait()[1].set_exception(RuntimeError(self.error))
+            while not self._calls.empty():
+                self._calls.get_nowait()[1].set_exception(RuntimeError(self.error))
 
 
 # -- windows (pure) ---------------------------------------------------------------------------------

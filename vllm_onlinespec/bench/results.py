@@ -43,6 +43,11 @@ class ArmSpec:
     window_s: float = 20.0
     arrival_seed: int = 0  # the Poisson gaps
     env: dict[str, str] = field(default_factory=dict)  # extra environment for the engine
+    # Mid-stream target swap (continuous protocols only): before the swap_at-th request (1-based)
+    # is sent, the target's weights are replaced in place by swap_to's (an HF folder), as an RL
+    # loop or a fine-tuning job does; requests in flight run on.
+    swap_at: int = 0  # 0 = no swap
+    swap_to: str | None = None
 
     @property
     def speculative_config(self) -> dict | None:
@@ -118,6 +123,8 @@ class ArmResult:
     step_profile: dict = field(default_factory=dict)
     error: str | None = None
     failed: list[str] = field(default_factory=list)  # "prompt id: error" of requests that failed
+    # The mid-stream swap: {"t_s": on the windows' clock, "seconds", "request": swap_at, ...}
+    swap: dict = field(default_factory=dict)
 
     @property
     def stats(self) -> "OnlineSpecStats":
@@ -177,7 +184,7 @@ class ArmResult:
                    startup_s=d.get("startup_s", 0.0), serve_s=d.get("serve_s", 0.0),
                    learner=d.get("learner", {}), step_profile=d.get("step_profile", {}),
                    error=d.get("error"),
-                   failed=d.get("failed", []))
+                   failed=d.get("failed", []), swap=d.get("swap", {}))
 
     def save(self, path: str | os.PathLike | None = None) -> Path:
         p = Path(path or self.spec.out)
