@@ -27,8 +27,13 @@ $(STAMP): pyproject.toml Makefile
 
 model: setup
 	$(CLI) model pull smollm2-135m
+	# The demo's served model: the base fine-tuned to terse numbered steps (a LoRA adapter shipped
+	# in the package, merged into the base here; seconds).
+	$(CLI) model pull smollm2-135m-terse
 
-# Online learning under domain shift, two stream orders (~9 min on a 2-vCPU Zen 5; `$(CLI) demo --quick`: a few).
+# Online learning where the served model was fine-tuned away from its drafter (the terse-steps
+# variant served with the base model's drafter), two stream orders (~8 min on a 2-vCPU Zen 5;
+# `$(CLI) demo --quick`: a few; `--scenario domain`: the base model on an unseen domain).
 # It replaces an earlier demo's runs/demo (--force).
 SPEC_BENCH ?= ../shared/data/spec_bench/question.jsonl
 demo: model
