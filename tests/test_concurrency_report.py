@@ -94,3 +94,28 @@ def test_rounds_start_every_arm_once_per_round_in_reversed_order(tmp_path, monke
     args.rounds = 0
     with pytest.raises(ValueError, match="--repeats and --rounds must be >= 1"):
         C.run_bench_serve(args)
+
+
+def test_unseen_by_keeps_only_what_the_drafter_never_trained_on(tmp_path, smollm2_path):
+    import json
+
+    from vllm_onlinespec.bench.concurrency import write_dataset
+
+    rows = [{"question_id": 1, "category": "writing", "turns": ["trained prompt"]},
+            {"question_id": 2, "category": "writing", "turns": ["held-out prompt"]},
+            {"question_id": 3, "category": "math_reasoning", "turns": ["a math word problem"]}]
+    src = tmp_path / "q.jsonl"
+    src.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    drafter = tmp_path / "drafter"
+    drafter.mkdir()
+    (drafter / "heldout_prompts.jsonl").write_text(json.dumps(
+        {"messages": [{"role": "user", "content": "held-out prompt"}]}) + "\n")
+    (drafter / "train_meta.json").write_text(json.dumps({"excluded_categories": "math_reasoning"}))
+    out = write_dataset(str(src), tmp_path / "out", smollm2_path, 512, unseen_by=str(drafter))
+    assert [json.loads(ln)["question_id"] for ln in out.read_text().splitlines()] == [2, 3]
+    (drafter / "train_meta.json").write_text(json.dumps({"excluded_categories": ""}))
+    (drafter / "heldout_prompts.jsonl").write_text("")
+    with pytest.raises(ValueError, match="no Spec-Bench prompt .* never trained on"):
+        write_dataset(str(src), tmp_path / "out2", smollm2_path, 512, unseen_by=str(drafter))
+    with pytest.raises(FileNotFoundError, match="--unseen-by .* needs heldout_prompts.jsonl"):
+        write_dataset(str(src), tmp_path / "out3", smollm2_path, 512, unseen_by=str(tmp_path))

@@ -154,14 +154,32 @@ def bench_point(url: str, spec: ArmSpec, dataset: Path, concurrency: int, num_pr
 VLLM_SPEC_BENCH_SEED = 0  # vLLM 0.32's spec_bench loader: random.seed(0), then shuffle
 
 
+def unseen_texts(drafter: str | Path) -> tuple[set[str], set[str]]:
+    """(prompt texts the drafter held out, Spec-Bench categories its recipe excluded), from its
+    heldout_prompts.jsonl and train_meta.json: what a benchmark may serve as never trained on."""
+    d = Path(drafter)
+    held, meta = d / "heldout_prompts.jsonl", d / "train_meta.json"
+    if not held.is_file() or not meta.is_file():
+        raise FileNotFoundError(f"--unseen-by {d}: needs heldout_prompts.jsonl and "
+                                f"train_meta.json (a drafter trained by `vllm-onlinespec train`)")
+    texts = {json.loads(ln)["messages"][0]["content"] for ln in held.read_text().splitlines()
+             if ln.strip()}
+    excluded = json.loads(meta.read_text()).get("excluded_categories") or ""
+    cats = {c.strip() for c in (excluded if isinstance(excluded, str) else ",".join(excluded))
+            .split(",") if c.strip()}
+    return texts, cats
+
+
 def write_dataset(spec_bench: str, out: Path, tokenizer_path: str, max_prompt_tokens: int,
-                  skip_prompts: int = 0) -> Path:
+                  skip_prompts: int = 0, unseen_by: str | None = None) -> Path:
     """Spec-Bench rows whose chat prompt fits max_prompt_tokens, in Spec-Bench's own format (so
     vLLM's spec_bench loader reads it): long RAG contexts would be mostly prefill on a CPU.
 
     vLLM serves the first n rows of its fixed shuffle of this file. `skip_prompts` = N drops
     the first N rows of that order, so a run on the result serves none of the prompts a run on
-    the whole file serves with n <= N (settings tuned on one, reported on the other)."""
+    the whole file serves with n <= N (settings tuned on one, reported on the other).
+    `unseen_by` (a drafter folder): only rows that drafter never trained on (its held-out
+    prompts and the categories its recipe excluded)."""
     import random
 
     from transformers import AutoTokenizer
@@ -171,9 +189,16 @@ def write_dataset(spec_bench: str, out: Path, tokenizer_path: str, max_prompt_to
 
     tok = AutoTokenizer.from_pretrained(tokenizer_path)
     keep = {p.text for p in load_spec_bench(spec_bench) if len(chat_ids(tok, p)) <= max_prompt_tokens}
+    held, cats = unseen_texts(unseen_by) if unseen_by else (None, None)
     with open(spec_bench, encoding="utf-8") as src:
         lines = [ln if ln.endswith("\n") else ln + "\n" for ln in src
                  if ln.strip() and json.loads(ln)["turns"][0] in keep]
+    if held is not None:
+        lines = [ln for ln in lines if json.loads(ln)["turns"][0] in held
+                 or json.loads(ln).get("category") in cats]
+        if not lines:
+            raise ValueError(f"--unseen-by {unseen_by}: no Spec-Bench prompt of {spec_bench} "
+                             f"is one that drafter never trained on")
     if skip_prompts:
         order = list(range(len(lines)))
         random.Random(VLLM_SPEC_BENCH_SEED).shuffle(order)
@@ -353,6 +378,9 @@ def add_bench_serve_parser(sub: argparse._SubParsersAction) -> None:
     a("--max-prompt-tokens", type=int, default=512, help="skip longer Spec-Bench prompts")
     a("--skip-prompts", type=int, default=0, metavar="N", help="leave out the N prompts a "
       "sweep with at most N prompts per point serves (tune on the rest, report on those)")
+    a("--unseen-by", metavar="DRAFTER", help="serve only the Spec-Bench prompts this drafter "
+      "folder never trained on (its heldout_prompts.jsonl and the categories its recipe "
+      "excluded), so acceptance is measured on unseen prompts")
     a("--drafter", help="DFlash drafter folder (default: the one shipped for --target)")
     a("--target", default="smollm2-135m")
     a("--dtype", default="auto", type=resolve_dtype_arg,
@@ -397,7 +425,7 @@ def run_bench_serve(args: argparse.Namespace) -> int:
     concurrencies = [int(c) for c in args.concurrency.split(",")]
     online = merge_sections(base_settings(args.preset), json.loads(args.online))
     dataset = write_dataset(args.spec_bench, out, target, args.max_prompt_tokens,
-                            args.skip_prompts)
+                            args.skip_prompts, args.unseen_by)
     points: list[Point] = []
     if args.repeats < 1 or args.rounds < 1:
         raise ValueError(f"--repeats and --rounds must be >= 1, got {args.repeats} and "
