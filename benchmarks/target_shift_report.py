@@ -20,6 +20,7 @@ SCENARIOS = ("finetuned", "swap", "in_domain", "cold_start")
 ARM_NAMES = {"nospec": "nospec", "ngram": "ngram", "vllm-suffix": "suffix", "frozen": "frozen",
              "online-ogd": "online"}
 ARM_ORDER = ("nospec", "ngram", "suffix", "frozen", "online")
+SMOOTH = 8  # requests per point of the plot's moving average
 
 
 def scenario_rows(folder: Path, scenario: str) -> list[dict]:
@@ -27,6 +28,7 @@ def scenario_rows(folder: Path, scenario: str) -> list[dict]:
     summary = json.loads((folder / "report.json").read_text())
     series: dict[str, list[list[dict]]] = {}
     swaps: dict[str, list[float]] = {}  # arm -> the swap's time in each order
+    per_request: dict[str, list[list[float]]] = {}  # arm -> acceptance per request, finish order
     for seed in summary["seeds"]:
         run = json.loads((folder / f"seed-{seed}" / "report.json").read_text())
         for arm in run["arms"]:
@@ -39,6 +41,12 @@ def scenario_rows(folder: Path, scenario: str) -> list[dict]:
                       "version": w.get("version_end")} for w in arm["waves"]])
                 if arm.get("swap"):
                     swaps.setdefault(name, []).append(arm["swap"]["t_s"])
+                done = sorted((r for r in arm.get("requests", [])
+                               if r.get("finish_s") is not None
+                               and r.get("acceptance_length") is not None),
+                              key=lambda r: r["finish_s"])
+                per_request.setdefault(name, []).append(
+                    [round(r["acceptance_length"], 3) for r in done])
     rows = []
     for s in summary["summary"]:
         name = ARM_NAMES.get(s["arm"])
@@ -52,6 +60,7 @@ def scenario_rows(folder: Path, scenario: str) -> list[dict]:
                      "accept_len_first_20": med.get("first_20"),
                      "accept_len_last_quarter": med.get("last_quarter"),
                      "failed_requests": s["failed_requests"], "windows": series.get(name, []),
+                     "per_request": per_request.get(name, []),
                      **around_swap(series.get(name, []), swaps.get(name, []))})
     rows.sort(key=lambda r: ARM_ORDER.index(r["arm"]))
     return rows
@@ -153,17 +162,19 @@ def plot(rows: list[dict], path: Path) -> Path | None:
     if not scen:
         return None
     fig, axes = plt.subplots(1, len(scen), figsize=(5 * len(scen), 3.6), squeeze=False)
+    colors = dict(zip(ARM_ORDER, plt.rcParams["axes.prop_cycle"].by_key()["color"]))
     for ax, s in zip(axes[0], scen):
         for r in rows:
             if r["scenario"] != s or r["arm"] == "nospec":
                 continue
-            for k, order in enumerate(r["windows"]):
-                ax.plot([w["t_s"] for w in order], [w["accept_len"] for w in order],
-                        label=r["arm"] if k == 0 else None, alpha=0.8,
-                        linestyle="-" if k == 0 else "--")
-        ax.set_title(s)
-        ax.set_xlabel("seconds into the stream")
-        ax.set_ylabel("tokens per verify step")
+            for k, accepts in enumerate(r.get("per_request") or []):
+                ma = [statistics.mean(accepts[max(0, i - SMOOTH + 1):i + 1])
+                      for i in range(len(accepts))]
+                ax.plot(range(1, len(ma) + 1), ma, color=colors[r["arm"]], alpha=0.85,
+                        label=r["arm"] if k == 0 else None, linestyle="-" if k == 0 else "--")
+        ax.set_title(f"{s} (solid: order 0, dashed: order 1)", fontsize=9)
+        ax.set_xlabel("requests finished")
+        ax.set_ylabel(f"tokens per verify step (mean of {SMOOTH})")
         ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
