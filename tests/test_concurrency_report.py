@@ -69,7 +69,7 @@ def test_rounds_start_every_arm_once_per_round_in_reversed_order(tmp_path, monke
     calls = []
 
     def fake_run_arm(spec, dataset, concurrencies, prompts_for, output_len, out, repeats,
-                     first_repeat=0):
+                     first_repeat=0, fresh=False):
         calls.append((spec.name, first_repeat))
         return [_pt(spec.name, c, r, 10.0 + r) for r in range(first_repeat, first_repeat + repeats)
                 for c in concurrencies]
@@ -119,3 +119,26 @@ def test_unseen_by_keeps_only_what_the_drafter_never_trained_on(tmp_path, smollm
         write_dataset(str(src), tmp_path / "out2", smollm2_path, 512, unseen_by=str(drafter))
     with pytest.raises(FileNotFoundError, match="--unseen-by .* needs heldout_prompts.jsonl"):
         write_dataset(str(src), tmp_path / "out3", smollm2_path, 512, unseen_by=str(tmp_path))
+
+
+def test_fresh_prompts_serve_each_prompt_once_per_server(tmp_path):
+    """Point after point, vLLM's own loader on the chained files never serves a prompt twice;
+    a file that runs dry says so in one line."""
+    import json
+
+    from vllm.benchmarks.datasets.datasets import SpecBench
+
+    from vllm_onlinespec.bench.concurrency import fresh_dataset
+
+    rows = [{"question_id": i, "category": "c", "turns": [f"prompt {i}"]} for i in range(40)]
+    data = tmp_path / "d.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    served: list[str] = []
+    for k, n in enumerate((8, 8, 16)):
+        got = [d["prompt"] for d in SpecBench(dataset_path=str(data)).data[:n]]
+        assert len(got) == n and not set(got) & set(served)
+        served += got
+        data = fresh_dataset(data, n, tmp_path / f"p{k}.jsonl")
+    assert len(data.read_text().splitlines()) == 40 - 32
+    with pytest.raises(ValueError, match="--fresh-prompts: .* no prompt left"):
+        fresh_dataset(data, 8, tmp_path / "dry.jsonl")

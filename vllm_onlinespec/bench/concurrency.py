@@ -154,6 +154,31 @@ def bench_point(url: str, spec: ArmSpec, dataset: Path, concurrency: int, num_pr
 VLLM_SPEC_BENCH_SEED = 0  # vLLM 0.32's spec_bench loader: random.seed(0), then shuffle
 
 
+def drop_served(lines: list[str], n: int) -> list[str]:
+    """The rows left when the first n of vLLM's spec_bench order are dropped: a run on them
+    serves none of the n prompts a run on `lines` with --num-prompts n serves first."""
+    import random
+
+    order = list(range(len(lines)))
+    random.Random(VLLM_SPEC_BENCH_SEED).shuffle(order)
+    drop = set(order[:n])
+    return [ln for i, ln in enumerate(lines) if i not in drop]
+
+
+def fresh_dataset(dataset: Path, served: int, out: Path) -> Path:
+    """`dataset` without the `served` prompts a point on it just served. Chained point after
+    point, every prompt is served once per server: suffix trees that cache finished answers
+    never see a prompt again, as in traffic that does not repeat."""
+    lines = dataset.read_text(encoding="utf-8").splitlines(keepends=True)
+    left = drop_served(lines, served)
+    if not left:
+        raise ValueError(f"--fresh-prompts: {dataset} has no prompt left after {served} more; "
+                         f"serve fewer points per server (--repeats 1, --rounds N) or more prompts")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text("".join(left), encoding="utf-8")
+    return out
+
+
 def unseen_texts(drafter: str | Path) -> tuple[set[str], set[str]]:
     """(prompt texts the drafter held out, Spec-Bench categories its recipe excluded), from its
     heldout_prompts.jsonl and train_meta.json: what a benchmark may serve as never trained on."""
@@ -180,7 +205,6 @@ def write_dataset(spec_bench: str, out: Path, tokenizer_path: str, max_prompt_to
     the whole file serves with n <= N (settings tuned on one, reported on the other).
     `unseen_by` (a drafter folder): only rows that drafter never trained on (its held-out
     prompts and the categories its recipe excluded)."""
-    import random
 
     from transformers import AutoTokenizer
 
@@ -200,13 +224,11 @@ def write_dataset(spec_bench: str, out: Path, tokenizer_path: str, max_prompt_to
             raise ValueError(f"--unseen-by {unseen_by}: no Spec-Bench prompt of {spec_bench} "
                              f"is one that drafter never trained on")
     if skip_prompts:
-        order = list(range(len(lines)))
-        random.Random(VLLM_SPEC_BENCH_SEED).shuffle(order)
-        drop = set(order[:skip_prompts])
-        lines = [ln for i, ln in enumerate(lines) if i not in drop]
+        n_fit = len(lines)
+        lines = drop_served(lines, skip_prompts)
         if not lines:
             raise ValueError(f"--skip-prompts {skip_prompts} leaves no prompt of the "
-                             f"{len(order)} that fit --max-prompt-tokens")
+                             f"{n_fit} that fit --max-prompt-tokens")
     path = out / "spec_bench_filtered.jsonl"
     out.mkdir(parents=True, exist_ok=True)
     path.write_text("".join(lines), encoding="utf-8")
@@ -214,11 +236,12 @@ def write_dataset(spec_bench: str, out: Path, tokenizer_path: str, max_prompt_to
 
 
 def run_arm(spec: ArmSpec, dataset: Path, concurrencies: list[int], prompts_for, output_len: int,
-            out: Path, repeats: int = 1, first_repeat: int = 0) -> list[Point]:
+            out: Path, repeats: int = 1, first_repeat: int = 0, fresh: bool = False) -> list[Point]:
     """One server for the arm; the whole concurrency sweep `repeats` times, so that a slow
     drift of the machine spreads over every point rather than biasing one. Every repeat serves
     the same prompts: vLLM 0.32's spec_bench loader shuffles with a fixed seed (it does not
-    read --seed), so a point's spread is timing noise, not prompt choice."""
+    read --seed), so a point's spread is timing noise, not prompt choice. `fresh`: each point
+    serves prompts no earlier point of this server served (fresh_dataset)."""
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     logs = out / "logs"
@@ -234,10 +257,13 @@ def run_arm(spec: ArmSpec, dataset: Path, concurrencies: list[int], prompts_for,
             wait_healthy(url, proc)
             plan = [(rep, c) for rep in range(first_repeat, first_repeat + repeats)
                     for c in concurrencies]
+            data = dataset
             for rep, c in tqdm(plan, desc=f"{spec.name:>12}", unit="pt", leave=True):
                 n = prompts_for(c)
                 before = scrape(url)
-                r = bench_point(url, spec, dataset, c, n, output_len, out / "raw", blog, rep)
+                r = bench_point(url, spec, data, c, n, output_len, out / "raw", blog, rep)
+                if fresh:
+                    data = fresh_dataset(data, n, out / "fresh" / f"{spec.name}-r{rep}-c{c}.jsonl")
                 figs = spec_figures(before, scrape(url))
                 points.append(Point(
                     arm=spec.name, concurrency=c, repeat=rep, num_prompts=n,
@@ -378,6 +404,10 @@ def add_bench_serve_parser(sub: argparse._SubParsersAction) -> None:
     a("--max-prompt-tokens", type=int, default=512, help="skip longer Spec-Bench prompts")
     a("--skip-prompts", type=int, default=0, metavar="N", help="leave out the N prompts a "
       "sweep with at most N prompts per point serves (tune on the rest, report on those)")
+    a("--fresh-prompts", action="store_true", help="every point serves prompts no earlier "
+      "point of the same server served (default: every point starts from the same prompts, "
+      "so a suffix tree's cache of finished answers sees repeats); needs repeats x the "
+      "prompts of one sweep <= the prompts there are")
     a("--unseen-by", metavar="DRAFTER", help="serve only the Spec-Bench prompts this drafter "
       "folder never trained on (its heldout_prompts.jsonl and the categories its recipe "
       "excluded), so acceptance is measured on unseen prompts")
@@ -436,11 +466,18 @@ def run_bench_serve(args: argparse.Namespace) -> int:
              for name in arms]  # every arm's settings are checked before the first server starts
     run_order = [[arms[i] for i in counterbalanced(len(arms), rnd)] for rnd in range(args.rounds)]
     prompts_for = lambda c: args.num_prompts or max(8, round(args.prompts_per_c * c))  # noqa: E731
+    if args.fresh_prompts:
+        need = args.repeats * sum(prompts_for(c) for c in concurrencies)
+        have = len(dataset.read_text(encoding="utf-8").splitlines())
+        if need > have:
+            raise ValueError(f"--fresh-prompts: one server serves {need} prompts "
+                             f"({args.repeats} repeats of {concurrencies}) but {have} are there")
     for rnd, order in enumerate(run_order):
         for name in order:
             try:
                 points += run_arm(specs[arms.index(name)], dataset, concurrencies, prompts_for,
-                                  args.output_len, out, args.repeats, rnd * args.repeats)
+                                  args.output_len, out, args.repeats, rnd * args.repeats,
+                                  args.fresh_prompts)
             except Exception as e:  # noqa: BLE001 - the other arms still run
                 tqdm.write(f"{name}: FAILED: {e}")
             (out / "concurrency.json").write_text(json.dumps(
