@@ -107,11 +107,12 @@ def goals(rows: list[dict]) -> list[str]:
     if fr and on and fr.get("accept_len_before_swap") and on.get("accept_len_last_quarter_after_swap"):
         cost = fr["accept_len_before_swap"] - fr["accept_len_last_quarter_after_swap"]
         won = on["accept_len_last_quarter_after_swap"] - fr["accept_len_last_quarter_after_swap"]
-        share = f"{won / cost:.0%}" if cost > 0 else "n/a (the swap cost frozen nothing)"
+        what = (f"recovered {won / cost:.0%} of what the swap cost" if cost > 0 else
+                "the swap cost frozen no acceptance, so there was nothing to recover")
         out.append(f"swap: frozen {fr['accept_len_before_swap']:.3f} before the swap, "
                    f"{fr['accept_len_last_quarter_after_swap']:.3f} over the last quarter after "
-                   f"it; online {on['accept_len_last_quarter_after_swap']:.3f}: recovered {share} "
-                   f"of what the swap cost (goal >= 80 % within 200 requests)")
+                   f"it; online {on['accept_len_last_quarter_after_swap']:.3f}: {what} "
+                   f"(goal >= 80 % within 200 requests)")
     fr, on = by.get(("in_domain", "frozen")), by.get(("in_domain", "online"))
     if fr and on:
         out.append(f"in_domain: online tok/s {on['tok_s'] / fr['tok_s']:.3f}x frozen "
