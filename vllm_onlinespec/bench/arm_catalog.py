@@ -213,12 +213,13 @@ def make_arm(name: str, *, target: str, prompts: str, out_dir: str | Path,
             raise ValueError(f"arm {name!r} needs a drafter (--drafter or training)")
         lookup = (onlinespec or {}).get("prompt_lookup", {})
         tree = lookup.get("enabled") and lookup.get("source") == "suffix_tree"
-        k = num_speculative_tokens or (TREE_K if tree else drafter_k(drafter) if drafter else 4)
         if method == "suffix":
             from vllm_onlinespec.drafter.suffix_tree import require_suffix_decoding
 
             require_suffix_decoding(f"arm {name!r}")  # one line here, not a failed server start
             k = suffix_k(name)
+        else:
+            k = num_speculative_tokens or (TREE_K if tree else drafter_k(drafter) if drafter else 4)
     return ArmSpec(name=name, target=target, prompts=str(prompts),
                    out=str(Path(out_dir) / "arms" / f"{name}.json"), method=method,
                    drafter=drafter if method == "dflash" else None,

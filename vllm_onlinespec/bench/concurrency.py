@@ -218,8 +218,8 @@ def write_dataset(spec_bench: str, out: Path, tokenizer_path: str, max_prompt_to
         lines = [ln if ln.endswith("\n") else ln + "\n" for ln in src
                  if ln.strip() and json.loads(ln)["turns"][0] in keep]
     if held is not None:
-        lines = [ln for ln in lines if json.loads(ln)["turns"][0] in held
-                 or json.loads(ln).get("category") in cats]
+        rows = [(ln, json.loads(ln)) for ln in lines]
+        lines = [ln for ln, r in rows if r["turns"][0] in held or r.get("category") in cats]
         if not lines:
             raise ValueError(f"--unseen-by {unseen_by}: no Spec-Bench prompt of {spec_bench} "
                              f"is one that drafter never trained on")

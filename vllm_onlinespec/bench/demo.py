@@ -242,7 +242,8 @@ def run_demo(args: argparse.Namespace) -> int:
 
     print("[4/4] report", flush=True)
     notes = verdict(per_order)
-    meta = {"plan": asdict(plan), "scenario": asdict(scenario), "target": target, "drafter": str(drafter), "stream": what,
+    meta = {"plan": asdict(plan), "scenario": asdict(scenario), "target": target,
+            "drafter": str(drafter), "stream": what,
             "orders": list(ORDERS), "online": online,
             "timings": {k: round(v, 1) for k, v in timings.items()}}
     rows = summarize_seeds([summarize(r) for r in per_order],

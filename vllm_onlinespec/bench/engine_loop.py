@@ -86,22 +86,25 @@ class EngineLoop:
         return self
 
     def submit(self, prompt_token_ids: Sequence[int]) -> concurrent.futures.Future:
-        fut: concurrent.futures.Future = concurrent.futures.Future()
-        if self.error is not None or self._stop.is_set():
-            fut.set_exception(RuntimeError(self.error or "the engine loop is closed"))
-            return fut
-        self._inbox.put((list(prompt_token_ids), fut, self.now()))
+        fut = self._future()
+        if not fut.done():
+            self._inbox.put((list(prompt_token_ids), fut, self.now()))
         return fut
 
     def between_steps(self, fn: Callable[[], Any]) -> concurrent.futures.Future:
         """Run `fn` on the loop thread between two engine steps (the engine's only user), e.g.
         swapping the target's weights mid-stream; the future holds its result or exception.
         Requests in flight keep running after it; a probe is taken right after it."""
+        fut = self._future()
+        if not fut.done():
+            self._calls.put((fn, fut))
+        return fut
+
+    def _future(self) -> concurrent.futures.Future:
+        """A new future, already failed when the loop has stopped or its engine failed."""
         fut: concurrent.futures.Future = concurrent.futures.Future()
         if self.error is not None or self._stop.is_set():
             fut.set_exception(RuntimeError(self.error or "the engine loop is closed"))
-            return fut
-        self._calls.put((fn, fut))
         return fut
 
     def close(self) -> list[Probe]:
@@ -177,10 +180,9 @@ class EngineLoop:
             for fut in self._pending.values():
                 fut.set_exception(RuntimeError(self.error))
             self._pending.clear()
-            while not self._inbox.empty():
-                self._inbox.get_nowait()[1].set_exception(RuntimeError(self.error))
-            while not self._calls.empty():
-                self._calls.get_nowait()[1].set_exception(RuntimeError(self.error))
+            for waiting in (self._inbox, self._calls):  # both hold (..., future, ...) tuples
+                while not waiting.empty():
+                    waiting.get_nowait()[1].set_exception(RuntimeError(self.error))
 
 
 # -- windows (pure) ---------------------------------------------------------------------------------

@@ -57,9 +57,7 @@ class ArmSpec:
                                "num_speculative_tokens": self.num_speculative_tokens}
         if self.method == "ngram":
             cfg.update(prompt_lookup_min=2, prompt_lookup_max=4)
-        elif self.method == "suffix":
-            pass  # arctic-inference's trees over the requests' text: no model
-        else:
+        elif self.method != "suffix":  # suffix decoding: trees over the text, no model
             cfg["model"] = self.drafter
         if self.k_per_batch_size is not None:
             cfg["num_speculative_tokens_per_batch_size"] = self.k_per_batch_size

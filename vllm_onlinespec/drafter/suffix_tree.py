@@ -19,8 +19,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-INSTALL_HINT = ("prompt_lookup.source 'suffix_tree' needs arctic_inference.suffix_decoding: "
-                "run `python -m vllm_onlinespec.suffix_install` (`make setup` does)")
+NEEDS = ("needs arctic_inference.suffix_decoding: run `python -m vllm_onlinespec.suffix_install` "
+         "(`make setup` does)")
+INSTALL_HINT = f"prompt_lookup.source 'suffix_tree' {NEEDS}"
 
 
 def suffix_cache_class():
@@ -37,9 +38,7 @@ def require_suffix_decoding(what: str) -> None:
     try:
         suffix_cache_class()
     except ImportError:
-        raise ValueError(f"{what}: vLLM's suffix decoding needs arctic_inference.suffix_decoding: "
-                         "run `python -m vllm_onlinespec.suffix_install` (`make setup` does)"
-                         ) from None
+        raise ValueError(f"{what}: vLLM's suffix decoding {NEEDS}") from None
 
 
 @dataclass(frozen=True)
