@@ -141,6 +141,9 @@ class CuttingCutter:
     def cut(self, drafts, req_ids=None):
         return [d[:self.keep] for d in drafts]
 
+    def step_price(self, batch_size):
+        return None  # not the budget: lookup drafts verified whole
+
     def observe(self, drafted, accepted, req_ids=None):
         self.observed.append(list(drafted))
 

@@ -553,3 +553,37 @@ def test_step_token_counts_reads_requests_and_prefill():
                          scheduled_spec_decode_tokens={"a": [1, 2, 3, 4]},
                          total_num_scheduled_tokens=46)
     assert compat.step_token_counts(so) == (3, 42)  # 3 requests; 46 - 4 draft tokens
+
+
+def test_cycles_that_verify_only_lookup_drafts_are_priced_as_plain(runner):
+    """The gate prices drafted and plain cycles apart. With the suffix tree drafting every
+    step, a cycle after a shut gate (k = 0) verifies only the tree's tokens: a plain cycle for
+    the gate. A cycle counts as having verified the drafter's drafts only after one that asked
+    the drafter for k > 0."""
+    import dataclasses
+
+    @dataclasses.dataclass
+    class SO:
+        num_scheduled_tokens: dict
+        scheduled_spec_decode_tokens: dict
+        total_num_scheduled_tokens: int
+        num_spec_tokens_to_schedule: int = 4
+
+    plan = iter([4, 0, 0, 2, 0, 4])  # the gate's k per cycle
+    cycles = []
+    runner._onlinespec = SimpleNamespace(
+        gate_drafting=lambda so, sampled=None: (so, next(plan)),
+        drafting=SimpleNamespace(
+            times_cycles=True, observe_draft_time=lambda k, s: None,
+            observe_cycle=lambda k, B, tokens, s, drafter_verified: cycles.append(
+                (k, tokens, drafter_verified))))
+    for _ in range(7):  # every step verifies 3 lookup tokens for request "a"
+        so = SO({"a": 4, "b": 1}, {"a": [7, 8, 9]}, 5)
+        runner.execute_model(so)
+        if len(cycles) < 6:
+            runner.propose_draft_token_ids(so)
+    assert [c[0] for c in cycles] == [4, 0, 0, 2, 0, 4]
+    # Cycle 0 follows no drafted cycle; 1 and 4 verify the drafter's k > 0 drafts; 2 and 3
+    # verify lookup tokens only (tokens > requests, yet no drafter drafts among them).
+    assert [c[2] for c in cycles] == [False, True, False, False, True, False]
+    assert all(c[1] == 5 for c in cycles)

@@ -220,7 +220,7 @@ def _drive(gate, st, B, t_target, t_draft, extra_drafted, steps):
         gate.timer.observe(d.k, t_draft if d.k else 0.0005)
         drafted = d.k > 0 or verified
         gate.observe_cycle(d.k, B, tokens, t + (t_draft if d.k else 0.0005)
-                           + (extra_drafted if drafted else 0.0), verified=verified)
+                           + (extra_drafted if drafted else 0.0), drafter_verified=verified)
         prev_k = d.k
         ks.append(d.k)
     return ks
@@ -254,7 +254,7 @@ def test_measured_cycle_overhead_keeps_the_gate_open_when_drafted_steps_are_fast
     ks = _drive(gate, st, 4, lin, 0.004, extra_drafted=0.0, steps=100)
     assert ks[-40:].count(0) >= 30  # without the plain overhead: shut
     for _ in range(100):  # plain cycles now cost 40 ms more than their spans
-        gate.observe_cycle(0, 4, 4, lin(4) + 0.0005 + 0.040, verified=False)
+        gate.observe_cycle(0, 4, 4, lin(4) + 0.0005 + 0.040, drafter_verified=False)
     assert gate.decide(st, 4, 4).k > 0, gate.last.reason
 
 

@@ -147,6 +147,12 @@ class LengthHeadConfig(_Section):
         True, description="'budget' only: before drafting, decide whether the next step "
         "speculates at all (policy/step_gate.py); a step that would not pay drafts "
         "nothing (the drafter's context K/V only, `k0_step`) and verifies nothing")
+    price_lookup: bool = Field(
+        True, description="'budget' only: verify of each suffix-tree draft (prompt_lookup "
+        "source 'suffix_tree') the prefix that pays in the next step, each token priced by the "
+        "tree's own estimate calibrated from verification and the target's measured cost per "
+        "token (policy/lookup_price.py); false verifies tree drafts whole, as vLLM's suffix "
+        "decoding does")
     k0_step: Literal["context_only", "forward"] = Field(
         "context_only", description="what the DFlash drafter runs on a step that drafts "
         "nothing (the gate shut, or a plain feature-logging engine): 'context_only' writes only "

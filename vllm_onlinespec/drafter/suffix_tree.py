@@ -45,6 +45,9 @@ def require_suffix_decoding(what: str) -> None:
 class TreeDraft:
     tokens: list[int]
     score: float  # sum of the tokens' estimated probabilities (expected accepted tokens)
+    # Per token, the estimated probability that the draft is still right there (cumulative,
+    # non-increasing): what the budget prices a tree draft's tokens by (policy/lookup_price.py).
+    probs: tuple[float, ...] = ()
 
 
 class SuffixTreeLookup:
@@ -86,7 +89,8 @@ class SuffixTreeLookup:
         d = self.cache.speculate(req_id, text[-self.max_depth:], max_spec_tokens=k,
                                  max_spec_factor=self.max_spec_factor,
                                  min_token_prob=self.min_token_prob)
-        return TreeDraft([int(t) for t in d.token_ids], float(d.score))
+        return TreeDraft([int(t) for t in d.token_ids], float(d.score),
+                         tuple(float(x) for x in d.probs))
 
     def finish(self, req_ids: Iterable[str]) -> None:
         for rid in req_ids:

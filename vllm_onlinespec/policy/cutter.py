@@ -29,6 +29,7 @@ from torch import nn
 
 from vllm_onlinespec.policy.budget import StepCostModel
 from vllm_onlinespec.policy.head_feedback import HeadFeedback
+from vllm_onlinespec.policy.lookup_price import StepPrice
 from vllm_onlinespec.policy.step_gate import GateDecision, StepGate
 from vllm_onlinespec.policy.verify_length import make_policy
 
@@ -65,6 +66,7 @@ class DraftCutter:
                                  min_obs=self.policy.min_obs, rho=length_cfg.rho)
         self._next = GateDecision(K, False, "")
         self._base_tokens: int | None = None
+        self.price_lookup = getattr(length_cfg, "price_lookup", True)
         # Real verification scores (and, with head_lr > 0, trains) the head; it is consulted
         # only once it beats the population estimate on fresh labels (policy/head_feedback.py).
         self.learn_from_verification = (self.head is not None
@@ -115,16 +117,28 @@ class DraftCutter:
             self._next = self.gate.decide(self.policy.stats, batch_size, base_tokens)
         return self._next
 
+    def step_price(self, batch_size: int) -> StepPrice | None:
+        """What pricing the next step's lookup drafts needs (policy/lookup_price.py) under the
+        budget policy; None: lookup drafts verified whole."""
+        if self.policy_name != "budget" or not self.price_lookup:
+            return None
+        stats = self.policy.stats
+        drafter_p = stats._rates() if stats is not None and stats.n_obs >= self.policy.min_obs else None
+        base = self._base_tokens if self._base_tokens is not None else batch_size
+        return StepPrice(self.policy.cost_model, max(batch_size, int(base)), drafter_p,
+                         1.0 / self.policy.rho)
+
     def observe_draft_time(self, k: int, seconds: float) -> None:
         """The drafter's forward at draft length k took `seconds`."""
         if self.gate is not None:
             self.gate.timer.observe(k, seconds)
 
     def observe_cycle(self, k: int, batch_size: int, tokens: int, seconds: float, *,
-                      verified: bool = False) -> None:
+                      drafter_verified: bool = False) -> None:
         """A whole engine cycle's wall time (policy/cycle_overhead.py)."""
         if self.gate is not None:
-            self.gate.observe_cycle(k, batch_size, tokens, seconds, verified=verified)
+            self.gate.observe_cycle(k, batch_size, tokens, seconds,
+                                    drafter_verified=drafter_verified)
 
     def observe_hidden(self, hidden: torch.Tensor) -> None:
         if self.head is not None:

@@ -156,13 +156,15 @@ class StepGate:
         return self._set(GateDecision(0, False, f"gate: shut, {numbers}"))
 
     def observe_cycle(self, k: int, batch_size: int, target_tokens: int, seconds: float, *,
-                      verified: bool = False) -> None:
+                      drafter_verified: bool = False) -> None:
         """One whole engine cycle (execute_model start to the next) that ran the target on
         `target_tokens` tokens and drafted k per request: what it cost beyond the model. It
-        counts as a drafted cycle if it drafted or verified drafts: the sampler and bookkeeping
-        work of a draft lands in the cycle after the one that drafted it."""
+        counts as a drafted cycle if the drafter drafted (k > 0) or its drafts were verified
+        in it: the sampler and bookkeeping work of a draft lands in the cycle after the one
+        that drafted it. Lookup drafts verified in a cycle do not make it a drafted one: the
+        gate decides the drafter's k, and a step it shuts still verifies them."""
         modelled = self.cost_model.predict(float(target_tokens)) + self.timer.get(k, self.K)
-        self.overhead.observe(k > 0 or verified, batch_size, seconds, modelled)
+        self.overhead.observe(k > 0 or drafter_verified, batch_size, seconds, modelled)
 
     def observe_cut(self, verify_per_request: float) -> None:
         """After a drafted step's cut: the verify tokens per request the policy chose on its

@@ -63,7 +63,7 @@ class DraftStage:
         # A data-generation engine (features.plain) never speculates.
         if self.lookup is not None and req_ids is not None and not self.cfg.features.plain:
             cut = self.lookup.propose(cut, req_ids, compat.request_tokens(self.runner, req_ids),
-                                      self.seed_bound(req_ids))
+                                      self.seed_bound(req_ids), self.cutter.step_price(len(cut)))
         drafts.draft_token_ids = cut
         return drafts
 
@@ -82,11 +82,12 @@ class DraftStage:
         return self.cutter.gate is not None
 
     def observe_cycle(self, k: int | None, batch_size: int, tokens: int, seconds: float, *,
-                      verified: bool) -> None:
+                      drafter_verified: bool) -> None:
         """A whole engine cycle (one execute_model to the next) drafted at k (None: the
-        drafter's own length), B requests, `tokens` target tokens, drafts `verified` among them."""
+        drafter's own length), B requests, `tokens` target tokens (lookup and drafter drafts
+        included), `drafter_verified`: the drafter's drafts among them."""
         self.cutter.observe_cycle(self.drafter_k if k is None else k, batch_size, tokens, seconds,
-                                  verified=verified)
+                                  drafter_verified=drafter_verified)
 
     def seed_bound(self, req_ids: list[str]) -> list[bool]:
         """Requests whose exact sample depends on the drafts they are shown: seeded ones under

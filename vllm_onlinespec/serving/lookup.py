@@ -15,6 +15,11 @@ draft that depends on what else was served would change how rejection sampling s
 seed's random numbers. Under drafter-invariant verification (sampling.invariant) they take
 every source like the others.
 
+Under the budget policy a tree draft is priced like the drafter's blocks: each token's
+acceptance is the tree's own estimate, calibrated from verification, and the step verifies the
+prefix that raises expected tokens per second (policy/lookup_price.py); the ngram rule's drafts
+carry no estimate and are verified whole.
+
 Either way the target verifies what is proposed: lossless. The stage counts what it drafted
 and what was accepted, apart from the drafter's rows (the verify-length policy and the length
 head score only the drafter's blocks).
@@ -25,8 +30,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
 from vllm_onlinespec.config import PromptLookupConfig
 from vllm_onlinespec.drafter import prompt_lookup
+from vllm_onlinespec.policy.lookup_price import (LookupCalibration, StepPrice,
+                                                 conditional_acceptance, price_drafts)
 
 
 @dataclass
@@ -37,6 +46,7 @@ class Proposals:
     tokens: list[list[int]]
     need: list[int | None]  # tokens a proposal must fill to be taken (None: the step's cap)
     from_recent: set[int]  # rows proposed from other requests' text (ngram source)
+    probs: list[tuple[float, ...]]  # the tree's cumulative estimates per token (() = none)
 
 
 class LookupStage:
@@ -64,6 +74,10 @@ class LookupStage:
         self.rows = self.drafted = self.accepted = 0
         self.recent_rows = 0  # of rows, proposed from other requests' text (ngram source)
         self.skipped_steps = 0  # steps whose every request had a lookup draft: no drafter forward
+        self.priced_cut = 0  # lookup draft tokens the budget left unverified
+        self.calibration = LookupCalibration()  # the tree's estimates against verification
+        # The chosen tree drafts' cumulative estimates, per request, as verified next step.
+        self._expected: dict[str, tuple[float, ...]] = {}
         self._prepared: Proposals | None = None
 
     def _proposals(self, req_ids: list[str], history: list[Any], seeded: list[bool]) -> Proposals:
@@ -73,6 +87,7 @@ class LookupStage:
         props = [prompt_lookup.propose(h, K, cfg.min_n, cfg.max_n)
                  if self.tree is None or s else [] for h, s in zip(history, seeded)]
         need: list[int | None] = [min_tokens] * len(req_ids)
+        probs: list[tuple[float, ...]] = [()] * len(req_ids)
         from_recent = set()
         if self.tree is not None:
             for i, (rid, h) in enumerate(zip(req_ids, history)):
@@ -80,7 +95,10 @@ class LookupStage:
                     continue  # own text only: the ngram proposal above
                 d = self.tree.propose(rid, h, K)
                 # The tree's score decides; a confident draft counts whatever its length.
-                props[i], need[i] = (d.tokens, 1) if d.score >= cfg.suffix_min_score else ([], None)
+                if d.score >= cfg.suffix_min_score:
+                    props[i], need[i], probs[i] = d.tokens, 1, d.probs
+                else:
+                    props[i], need[i] = [], None
         elif self.recent is not None:
             for i, (rid, h) in enumerate(zip(req_ids, history)):
                 self.texts[rid] = h.copy()
@@ -89,7 +107,7 @@ class LookupStage:
                     if len(other) > len(props[i]):
                         props[i] = other
                         from_recent.add(i)
-        return Proposals(list(req_ids), props, need, from_recent)
+        return Proposals(list(req_ids), props, need, from_recent, probs)
 
     def prepare(self, req_ids: list[str], history: list[Any], seeded: list[bool]) -> bool:
         """Before vLLM's drafter runs (the step's sampled tokens are already in `history`):
@@ -101,19 +119,32 @@ class LookupStage:
                                      for t, n in zip(p.tokens, p.need))
 
     def propose(self, cut: list[list[int]], req_ids: list[str], history: list[Any],
-                seeded: list[bool]) -> list[list[int]]:
+                seeded: list[bool], price: StepPrice | None = None) -> list[list[int]]:
         """The step's drafts: lookup's proposal where the hybrid rule takes it, else the
         drafter's cut block. Up to K tokens even where the budget's gate asked vLLM's drafter
         for fewer or none: the gate prices the drafter's acceptance, and a lookup match is
         accepted far more often (3.1 of 4 against 1.2 per drafted step, step_cost.md); the
-        scheduler takes up to K drafts from any proposer."""
+        scheduler takes up to K drafts from any proposer. `price` (the budget policy): tree
+        drafts cut to the prefix that pays in the next step (module docstring)."""
         p, self._prepared = self._prepared, None
         if p is None or p.req_ids != list(req_ids):  # not prepared for this batch
             p = self._proposals(req_ids, history, seeded)
         choice = prompt_lookup.choose_drafts(cut, p.tokens, [self.K] * len(cut), p.need)
+        drafts = choice.drafts
+        tree_rows = [u and bool(q) for u, q in zip(choice.from_lookup, p.probs)]
+        if price is not None and any(tree_rows):
+            scale = self.calibration.scale
+            lookup_p = [conditional_acceptance(q[: len(d)], scale) if t else None
+                        for d, q, t in zip(drafts, p.probs, tree_rows)]
+            lengths = price_drafts([len(d) for d in drafts], lookup_p, price.drafter_p,
+                                   price.base_tokens, price.cost_model, price.cost_scale)
+            self.priced_cut += sum(len(d) - n for d, n in zip(drafts, lengths))
+            drafts = [d[:n] for d, n in zip(drafts, lengths)]
         self.recent_rows += sum(choice.from_lookup[i] for i in p.from_recent)
-        self.pending = {r for r, u in zip(req_ids, choice.from_lookup) if u}
-        return choice.drafts
+        self.pending = {r for r, u, d in zip(req_ids, choice.from_lookup, drafts) if u and d}
+        self._expected = {r: q for r, q, t in zip(req_ids, p.probs, tree_rows)
+                          if t and r in self.pending}
+        return drafts
 
     def finish(self, req_ids) -> None:
         """Finished requests: their text joins what later requests search."""
@@ -128,6 +159,7 @@ class LookupStage:
                      accepted: list[int]) -> list[int] | None:
         """Draft tokens verified per request, 0 where lookup drafted (counted here instead)."""
         pending, self.pending = self.pending, set()
+        expected, self._expected = self._expected, {}
         if not pending or drafted is None:
             return drafted
         out = []
@@ -136,6 +168,8 @@ class LookupStage:
                 self.rows += 1
                 self.drafted += d
                 self.accepted += a
+                if rid in expected:  # the tree's estimate of the tokens it got verified
+                    self.calibration.observe(a, float(np.sum(expected[rid][:d])))
                 d = 0
             out.append(d)
         return out

@@ -42,6 +42,9 @@ class OnlineSpecRunnerMixin:
     _onlinespec_span: Any = None  # this step's target span (serving/step_timer.py)
     _onlinespec_tokens: int = 0
     _onlinespec_cycle: "_Cycle | None" = None  # closed by the next execute_model
+    # The last closed cycle asked vLLM's drafter for k > 0: the drafts the next cycle verifies
+    # include the drafter's (not only the lookup's).
+    _onlinespec_drafter_drafted: bool = False
 
     def _onlinespec_init(self) -> None:
         if getattr(self, "_onlinespec_guard", None) is None:
@@ -98,8 +101,9 @@ class OnlineSpecRunnerMixin:
             session = self._onlinespec
             if session is not None and session.drafting.times_cycles:  # only the budget's gate reads them
                 B, base = compat.step_token_counts(scheduler_output)
+                verifies = self._onlinespec_tokens > base and self._onlinespec_drafter_drafted
                 self._onlinespec_cycle = _Cycle(t0, B, self._onlinespec_tokens,
-                                                verifies=self._onlinespec_tokens > base)
+                                                verifies_drafter=verifies)
             self._onlinespec_span = self._onlinespec_timer.start()
         try:
             return super().execute_model(scheduler_output, *args, **kwargs)
@@ -199,9 +203,10 @@ class OnlineSpecRunnerMixin:
         A cycle that never reached the drafter (no decode in it) prices nothing."""
         cycle, session = self._onlinespec_cycle, self._onlinespec
         self._onlinespec_cycle = None
+        self._onlinespec_drafter_drafted = cycle is not None and cycle.drafter_drafted
         if cycle is not None and cycle.proposed and session is not None:
             session.drafting.observe_cycle(cycle.k, cycle.batch, cycle.tokens, now - cycle.start,
-                                  verified=cycle.verifies)
+                                           drafter_verified=cycle.verifies_drafter)
 
     def onlinespec_profile(self) -> StepProfile:
         return self._onlinespec_profile
@@ -235,9 +240,17 @@ class _Cycle:
     start: float  # perf_counter at execute_model
     batch: int  # requests scheduled
     tokens: int  # target tokens scheduled, drafts included
-    verifies: bool  # drafts were verified in it
+    # The drafter's drafts were verified in it. Lookup drafts alone do not count: with the
+    # suffix tree drafting most steps, a cycle the gate shut still verifies the tree's tokens,
+    # and counting it as drafted left the plain price to the rare cycles that verified nothing
+    # at all (request arrivals and exits), which cost 5-9 ms more than a typical one.
+    verifies_drafter: bool
     proposed: bool = False  # the drafter ran (a cycle without it prices nothing)
     k: int | None = None  # draft length asked of vLLM's drafter (None: its own)
+
+    @property
+    def drafter_drafted(self) -> bool:
+        return self.proposed and (self.k is None or self.k > 0)
 
 
 _RUNNER_CLASSES: dict[type, type] = {}

@@ -142,6 +142,8 @@ class OnlineSpecStats:
     lookup_accepted: int = 0  # and accepted
     lookup_recent_rows: int = 0  # request-steps whose lookup draft came from other requests' text
     lookup_skipped_steps: int = 0  # steps every request drafted by lookup: no drafter forward
+    lookup_priced_cut: int = 0  # tree draft tokens the budget left unverified (they did not pay)
+    lookup_calibration: float = 1.0  # accepted / the tree's expected tokens, as verified
     invariant_mode: str = "off"  # sampling.invariant as resolved: "seeded", "all" or "off"
     invariant_rows: int = 0  # sampled request-steps verified drafter-invariantly
     coupled_rows: int = 0  # of the drafting ones, drafts drawn with the verifier's noise
@@ -172,13 +174,14 @@ class OnlineSpecStats:
         return out
 
 
-def lookup_fields(lookup: Any) -> dict[str, int]:
+def lookup_fields(lookup: Any) -> dict[str, float]:
     """OnlineSpecStats' lookup_* fields from a serving.lookup.LookupStage (None: lookup off)."""
     if lookup is None:
         return {}
     return {"lookup_rows": lookup.rows, "lookup_drafted": lookup.drafted,
             "lookup_accepted": lookup.accepted, "lookup_recent_rows": lookup.recent_rows,
-            "lookup_skipped_steps": lookup.skipped_steps}
+            "lookup_skipped_steps": lookup.skipped_steps, "lookup_priced_cut": lookup.priced_cut,
+            "lookup_calibration": round(lookup.calibration.scale, 4)}
 
 
 def invariant_fields(inv: Any) -> dict[str, Any]:
