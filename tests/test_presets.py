@@ -88,6 +88,13 @@ def test_arm_names_say_where_they_leave_the_preset(tmp_path):
     assert ngram.prompt_lookup.enabled and ngram.prompt_lookup.source == "ngram"
     fixed = OnlineSpecConfig.from_any(make_arm("fixed", **kw).onlinespec)
     assert fixed.length_head.policy == "fixed" and fixed.update.lr == 3e-4
+    conf = OnlineSpecConfig.from_any(make_arm("frozen+confidence", **kw).onlinespec)
+    assert conf.length_head.estimator == "confidence" and conf.length_head.policy == "budget"
+    assert conf.prompt_lookup.source == "suffix_tree"  # the rest of the preset kept
+    whole = OnlineSpecConfig.from_any(make_arm("frozen+unpriced", **kw).onlinespec)
+    assert not whole.length_head.price_lookup and whole.length_head.gate
+    with pytest.raises(ValueError, match="goes with this project's DFlash arms"):
+        make_arm("vllm-suffix+unpriced", **kw)
     none = base_settings("none")
     assert "length_head" not in none and "prompt_lookup" not in none
 

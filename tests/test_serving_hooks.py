@@ -587,3 +587,28 @@ def test_cycles_that_verify_only_lookup_drafts_are_priced_as_plain(runner):
     # verify lookup tokens only (tokens > requests, yet no drafter drafts among them).
     assert [c[2] for c in cycles] == [False, True, False, False, True, False]
     assert all(c[1] == 5 for c in cycles)
+
+
+def test_draft_confidence_reads_the_logits_vllms_drafter_computes():
+    from vllm_onlinespec.serving import compat
+
+    logits = torch.tensor([[2.0, 0.0, 0.0], [0.0, 0.0, 0.0]])
+
+    class Model:
+        calls = 0
+
+        def compute_logits(self, h):
+            Model.calls += 1
+            return logits
+
+    seen = []
+    runner = SimpleNamespace(drafter=SimpleNamespace(model=Model(),
+                                                     use_local_argmax_reduction=False))
+    assert compat.wrap_draft_confidence(runner, seen.append)
+    out = runner.drafter.model.compute_logits(None)
+    assert out is logits and Model.calls == 1  # vLLM's own logits, computed once
+    assert torch.allclose(seen[0], torch.softmax(logits, -1).amax(-1))
+    # No full logits to read: the caller is told.
+    local = SimpleNamespace(drafter=SimpleNamespace(model=Model(), use_local_argmax_reduction=True))
+    assert not compat.wrap_draft_confidence(local, seen.append)
+    assert not compat.wrap_draft_confidence(SimpleNamespace(), seen.append)

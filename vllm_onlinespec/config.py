@@ -147,6 +147,12 @@ class LengthHeadConfig(_Section):
         True, description="'budget' only: before drafting, decide whether the next step "
         "speculates at all (policy/step_gate.py); a step that would not pay drafts "
         "nothing (the drafter's context K/V only, `k0_step`) and verifies nothing")
+    estimator: Literal["head", "confidence"] = Field(
+        "head", description="'budget' only: what predicts each draft token's acceptance. "
+        "'head' = the length head where it beats the population estimate on fresh labels, "
+        "else the population estimate; 'confidence' = an online logistic model on the "
+        "drafter's top-1 probability per position, fitted from verification (vLLM's adaptive "
+        "verification feature, policy/acceptance_estimator.py); no length head needed")
     price_lookup: bool = Field(
         True, description="'budget' only: verify of each suffix-tree draft (prompt_lookup "
         "source 'suffix_tree') the prefix that pays in the next step, each token priced by the "
@@ -566,6 +572,13 @@ class OnlineSpecConfig(_Section):
         if self.learner_dtype == "bfloat16" and self.learner_device == "cpu":
             raise ValueError("learner_dtype 'bfloat16' needs a CUDA learner_device (CPU "
                              "training keeps float32 parameters)")
+        return self
+
+    @model_validator(mode="after")
+    def _confidence_needs_budget(self) -> "OnlineSpecConfig":
+        if self.length_head.estimator == "confidence" and self.length_head.policy != "budget":
+            raise ValueError(f"length_head.estimator 'confidence' needs length_head.policy "
+                             f"'budget' (got {self.length_head.policy!r})")
         return self
 
     @model_validator(mode="after")

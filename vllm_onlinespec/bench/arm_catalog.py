@@ -21,6 +21,11 @@
     <arm>+tree                   the same with the suffix tree as lookup source and K = 16 (the
                                  drafter drafts its own block): frozen+tree, budget+tree, ...
     <arm>+nolookup               the drafter alone where the base settings would look up
+    <arm>+confidence             the budget with vLLM-style acceptance estimates (an online
+                                 logistic model on the drafter's top-1 probability) instead of
+                                 the length head: frozen+confidence, ...
+    <arm>+unpriced               the budget verifying suffix-tree drafts whole (vLLM's suffix
+                                 decoding's rule) instead of pricing them
 
 Every arm of ours starts from the same drafter weights and the same base settings (`online`
 below: by default the `cpu` preset, vllm_onlinespec/presets.py, so `frozen` is the recommended
@@ -108,8 +113,21 @@ def suffix_k(name: str) -> int | None:
     return int(tail) if tail.isdigit() and int(tail) > 0 else None
 
 
+# <our arm>+<suffix>: a length_head setting on top of the arm's own (the budget policy's parts).
+LENGTH_HEAD_SUFFIXES = {"+confidence": {"estimator": "confidence"},
+                        "+unpriced": {"price_lookup": False}}
+
+
 def _parse(name: str) -> tuple[str, dict | None]:
     """(method, onlinespec overrides or None) for an arm name."""
+    for sfx, setting in LENGTH_HEAD_SUFFIXES.items():
+        if name.endswith(sfx):
+            method, over = _parse(name[: -len(sfx)])
+            if over is None:
+                raise ValueError(f"arm {name!r}: {sfx} goes with this project's DFlash arms "
+                                 f"(frozen, online-<algorithm>, shadow, a policy), not "
+                                 f"{name[: -len(sfx)]!r}")
+            return method, {**over, "length_head": {**over.get("length_head", {}), **setting}}
     if name.endswith(TREE_SUFFIX):
         method, over = _parse(name[: -len(TREE_SUFFIX)])
         if over is None:
@@ -154,8 +172,8 @@ def _parse(name: str) -> tuple[str, dict | None]:
                      "vllm-dynamic, "
                      "frozen, k0, shadow, "
                      + ", ".join(f"online-{a}" for a in ALGORITHMS) + ", "
-                     + ", ".join(POLICIES) + ", frozen-<policy>, and <our arm>+lookup, +tree "
-                     "or +nolookup")
+                     + ", ".join(POLICIES) + ", frozen-<policy>, and <our arm>+lookup, +tree, "
+                     "+nolookup, +confidence or +unpriced")
 
 
 def merge_sections(base: dict, over: dict) -> dict:

@@ -24,9 +24,11 @@ from __future__ import annotations
 
 from typing import Any, Callable, Mapping
 
+import numpy as np
 import torch
 from torch import nn
 
+from vllm_onlinespec.policy.acceptance_estimator import ConfidenceEstimator
 from vllm_onlinespec.policy.budget import StepCostModel
 from vllm_onlinespec.policy.head_feedback import HeadFeedback
 from vllm_onlinespec.policy.lookup_price import StepPrice
@@ -67,6 +69,12 @@ class DraftCutter:
         self._next = GateDecision(K, False, "")
         self._base_tokens: int | None = None
         self.price_lookup = getattr(length_cfg, "price_lookup", True)
+        # vLLM-style acceptance from the drafter's top-1 probability, instead of the head.
+        self.estimator = (ConfidenceEstimator(K) if self.policy_name == "budget"
+                          and getattr(length_cfg, "estimator", "head") == "confidence" else None)
+        if self.estimator is not None:
+            self.head = None
+        self._conf: torch.Tensor | None = None
         # Real verification scores (and, with head_lr > 0, trains) the head; it is consulted
         # only once it beats the population estimate on fresh labels (policy/head_feedback.py).
         self.learn_from_verification = (self.head is not None
@@ -79,6 +87,11 @@ class DraftCutter:
     def needs_hidden(self) -> bool:
         """Whether vLLM's drafter must hand over its hidden states (a head that may predict)."""
         return self.head is not None
+
+    @property
+    def needs_confidence(self) -> bool:
+        """Whether vLLM's drafter must hand over its top-1 probabilities (the estimator)."""
+        return self.estimator is not None
 
     @property
     def head_warm(self) -> bool:
@@ -104,6 +117,9 @@ class DraftCutter:
         return getattr(self.policy, "cost_model", None)
 
     def describe(self) -> str:
+        if self.estimator is not None:
+            return (f"{self.policy.describe()}; acceptance: online logistic on the drafter's "
+                    f"top-1 probability")
         return f"{self.policy.describe()}; length head: {self.head_state}"
 
     # -- a step ----------------------------------------------------------------------------------
@@ -144,6 +160,11 @@ class DraftCutter:
         if self.head is not None:
             self._hidden = hidden
 
+    def observe_confidence(self, conf: torch.Tensor) -> None:
+        """The drafter's top-1 probability per draft row [B * k], this step."""
+        if self.estimator is not None:
+            self._conf = conf
+
     def cut(self, drafts: list[list[int]], req_ids: list[str] | None = None) -> list[list[int]]:
         """Each request's draft cut to the policy's verify length (new lists; drafts unchanged).
         req_ids (the drafts' requests) let the next step's verification score the head."""
@@ -171,6 +192,16 @@ class DraftCutter:
         k = max(drafted)
         kw = ({"base_tokens": self._base_tokens, "draft_len": k}
               if self.policy_name == "budget" else {})
+        conf, self._conf = self._conf, None
+        if self.estimator is not None:
+            if conf is not None and conf.numel() == B * k:
+                conf = conf.float().view(B, k).cpu().numpy()
+                p = np.zeros((B, self.K))
+                p[:, :k] = self.estimator.predict(conf)
+                kw["p_accept"] = p
+            else:
+                conf = None
+                self.on_skip("no_draft_confidence")  # serving/guard.NO_DRAFT_CONFIDENCE
         lengths, reason = self.policy.lengths(used, self.K, B, **kw)
         if self.gate is not None:
             # What the policy verifies on its own, before exploration forces full drafts.
@@ -183,11 +214,16 @@ class DraftCutter:
             reason += f"; length head not used ({self.feedback.state()})"
         self.last_reason = f"{reason}; {self._next.reason}" if self._next.reason else reason
         self.verified += sum(len(d) for d in out)
-        if req_ids is not None and self.head is not None:
+        if req_ids is not None and (self.head is not None or conf is not None):
             stats = self.policy.stats
             r_pop = (stats.expected_fraction() if stats is not None
                      and stats.n_obs >= self.policy.min_obs else None)
-            self.feedback.record(req_ids, pred, r_pop, [len(d) for d in out], rows)
+            if self.head is not None:
+                self.feedback.record(req_ids, pred, r_pop, [len(d) for d in out], rows)
+            if conf is not None:
+                self.estimator.record(req_ids, conf, [len(d) for d in out], r_pop)
+                reason += f"; {self.estimator.state()}"
+                self.last_reason = f"{reason}; {self._next.reason}" if self._next.reason else reason
         return out
 
     def head_on(self, device: torch.device) -> nn.Module:
@@ -207,10 +243,14 @@ class DraftCutter:
         self.policy.observe([d for d in drafted if d], [a for d, a in zip(drafted, accepted) if d])
         if req_ids is not None and self.head is not None:
             self.feedback.observe(self.head, req_ids, drafted, accepted)
+        if req_ids is not None and self.estimator is not None:
+            self.estimator.observe(req_ids, drafted, accepted)
 
     def forget(self, req_ids) -> None:
         """Finished requests: no verification will come for their last cut."""
         self.feedback.forget(req_ids)
+        if self.estimator is not None:
+            self.estimator.forget(req_ids)
 
     def observe_step_cost(self, tokens: int, seconds: float) -> None:
         cm = self.cost_model

@@ -24,6 +24,7 @@ FEEDBACK = "feedback"  # after_step: accepted counts -> policy stats, tracer, bu
 PUBLISH = "publish"  # after_step: learner snapshot -> vLLM's drafter, head refresh
 METRICS = "metrics"  # after_step: the metrics file
 DRAFT_HIDDEN = "draft_hidden"  # inside vLLM's drafter: the mask rows' hidden states
+DRAFT_CONFIDENCE = "draft_confidence"  # inside vLLM's drafter: its top-1 probabilities
 CUT = "cut"  # take_draft_token_ids: the verify-length cut
 
 # Skip reasons (the keys of HookStats.skips).
@@ -31,6 +32,7 @@ NO_STEP_VIEW = "no_step_view"  # the runner kept no state for the step
 NO_DRAFT_SAMPLER = "no_draft_sampler"  # the drafter has no _sample_draft_tokens to wrap
 NON_LIST_DRAFTS = "non_list_drafts"  # take_draft_token_ids gave something other than lists
 NO_DRAFT_HIDDEN = "no_draft_hidden"  # the head had no (or mis-shaped) hidden states to read
+NO_DRAFT_CONFIDENCE = "no_draft_confidence"  # the estimator had no (or mis-shaped) confidences
 NO_SAMPLER_OUTPUT = "no_sampler_output"  # a step with a view but no rejection-sampler output
 
 

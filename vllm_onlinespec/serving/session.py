@@ -82,6 +82,11 @@ class OnlineSession:
             self.guard.skip(G.NO_DRAFT_SAMPLER)
             logger.warning("onlinespec: vLLM's drafter has no _sample_draft_tokens to read hidden "
                            "states from; the length head is not consulted")
+        if self.cutter.needs_confidence and not compat.wrap_draft_confidence(
+                runner, self.observe_draft_confidence):
+            raise ValueError("length_head.estimator 'confidence': this vLLM drafter computes no "
+                             "full draft logits to read its top-1 probabilities from; use "
+                             "estimator 'head'")
         if self.learner is not None:
             resumed = learner_setup.resume(self.learner, cfg.checkpoint.dir) if cfg.checkpoint.dir else None
             if resumed is not None:
@@ -135,6 +140,11 @@ class OnlineSession:
         """Called inside vLLM's drafter, right before it samples: must never raise."""
         with self.guard(G.DRAFT_HIDDEN):
             self.cutter.observe_hidden(hidden)
+
+    def observe_draft_confidence(self, conf: torch.Tensor) -> None:
+        """Called inside vLLM's drafter, right after its logits: must never raise."""
+        with self.guard(G.DRAFT_CONFIDENCE):
+            self.cutter.observe_confidence(conf)
 
     def after_step(self, runner: Any, view: compat.StepView | None, sampled: Any) -> None:
         """Feedback, publish and metrics, each under its own guard."""

@@ -104,6 +104,13 @@ class CutterStats:
     head_updates: int = 0  # published versions that refreshed the head
     head_labels: int = 0  # exact verification labels the head was scored on
     head_feedback_updates: int = 0  # steps the head learned from verification labels
+    # The confidence estimator (length_head.estimator 'confidence'), scored as the head is:
+    # decayed mean squared error on exact block labels, its own and the population estimate's.
+    estimator_labels: int = 0
+    head_mse: float | None = None  # the length head's, on its exact labels (head_labels)
+    head_population_mse: float | None = None
+    estimator_mse: float | None = None
+    estimator_population_mse: float | None = None
     gate_steps: int = 0  # steps the budget's gate decided (0: no gate)
     gate_shut_steps: int = 0  # ... of which drafted at K = 0 (nothing verified next step)
     gate_explore_steps: int = 0  # ... of which drafted only to explore
@@ -122,7 +129,7 @@ class CutterStats:
                    gate_steps=g.steps if g else 0, gate_shut_steps=g.shut_steps if g else 0,
                    gate_explore_steps=g.explore_steps if g else 0,
                    gate_short_steps=g.short_steps if g else 0,
-                   gate_overhead_s=g.overhead.as_dict() if g else {})
+                   gate_overhead_s=g.overhead.as_dict() if g else {}, **_estimator_fields(c))
 
 
 @dataclass
@@ -172,6 +179,23 @@ class OnlineSpecStats:
         out.learner = _build(LearnerStats, d.get("learner"))
         out.buffer = _build(BufferStats, d.get("buffer"))
         return out
+
+
+def _estimator_fields(c: Any) -> dict[str, Any]:
+    """The head's and the confidence estimator's errors on their exact labels, beside the
+    population estimate's on the same labels (None where nothing was scored)."""
+    out: dict[str, Any] = {}
+    fb, e = c.feedback, getattr(c, "estimator", None)
+    if fb.labels:
+        w = max(fb.weight, 1e-12)
+        out.update(head_mse=round(fb.err_head / w, 5), head_population_mse=round(fb.err_pop / w, 5))
+    if e is not None:
+        out["estimator_labels"] = e.labels
+        if e.labels:
+            w = max(e.weight, 1e-12)
+            out.update(estimator_mse=round(e.err_est / w, 5),
+                       estimator_population_mse=round(e.err_pop / w, 5))
+    return out
 
 
 def lookup_fields(lookup: Any) -> dict[str, float]:

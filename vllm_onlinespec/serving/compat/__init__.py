@@ -20,7 +20,8 @@ from vllm_onlinespec.serving.compat.drafter import (drafter_loading, drafter_mod
                                                     install_context_only_k0,
                                                     load_draft_weights, read_draft_weights,
                                                     repack_drafter_linears,
-                                                    target_embed_and_head, wrap_draft_ids,
+                                                    target_embed_and_head,
+                                                    wrap_draft_confidence, wrap_draft_ids,
                                                     wrap_draft_sampler,
                                                     wrap_drafter_load)
 from vllm_onlinespec.serving.compat.invariant_sampling import InvariantVerifier
@@ -52,5 +53,5 @@ __all__ = [
     "install_context_only_k0", "is_cpu",
     "load_draft_weights", "num_speculative_tokens", "own_features", "target_hidden_size", "ours_requested", "preload_intel_openmp",
     "read_draft_weights", "repack_drafter_linears", "request_tokens", "seeded_requests", "spec_method", "step_token_counts", "step_view", "tokens_before_bookkeeping", "with_spec_tokens", "target_embed_and_head", "tensor_parallel_size",
-    "time_target_steps", "wrap_draft_ids", "wrap_draft_sampler", "wrap_drafter_load",
+    "time_target_steps", "wrap_draft_confidence", "wrap_draft_ids", "wrap_draft_sampler", "wrap_drafter_load",
 ]

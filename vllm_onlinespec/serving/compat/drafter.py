@@ -212,6 +212,30 @@ def wrap_draft_sampler(runner: Any, on_hidden: Callable[[torch.Tensor], None]) -
     return True
 
 
+def wrap_draft_confidence(runner: Any, on_conf: Callable[[torch.Tensor], None]) -> bool:
+    """Call `on_conf(top1 [B*k])` with the drafter's top-1 probability at each draft row, from
+    the logits vLLM's drafter computes to pick its draft tokens (llm_base_proposer.py:448, the
+    greedy path; no second LM head). False when this drafter computes no full logits (another
+    vLLM version, or `use_local_argmax_reduction`): the caller must say so. `on_conf` must not
+    raise (the caller guards it)."""
+    drafter = getattr(runner, "drafter", None)
+    model = getattr(drafter, "model", None)
+    if (model is None or not hasattr(model, "compute_logits")
+            or getattr(drafter, "use_local_argmax_reduction", False)):
+        return False
+    orig = model.compute_logits
+
+    def compute_logits(hidden_states, *args, **kwargs):
+        logits = orig(hidden_states, *args, **kwargs)
+        if logits is not None and logits.dim() == 2:
+            x = logits.float()
+            on_conf((x.amax(-1) - torch.logsumexp(x, -1)).exp())
+        return logits
+
+    model.compute_logits = compute_logits
+    return True
+
+
 def wrap_draft_ids(runner: Any, rewrite: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
                    ) -> bool:
     """Pass vLLM's greedy draft ids through `rewrite(hidden [B*K, H], ids)` (its result is what
