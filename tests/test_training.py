@@ -360,6 +360,37 @@ def test_anchors_only_in_responses_full_windows_first():
     assert (sample_anchors(allowed, lengths, 8, 3, g)[3] == -1).all()  # response of 1 token
 
 
+def test_tree_miss_anchors_leave_out_what_the_tree_drafts():
+    """`--anchors tree-miss`: an answer that repeats an earlier answer is drafted by the suffix
+    tree (its global tree holds the earlier output), so its positions are not anchors; the
+    first answer's fresh text is. Training batches anchor only at marked positions."""
+    from types import SimpleNamespace
+
+    from vllm_onlinespec.training.trainer import collate
+    from vllm_onlinespec.training.tree_anchors import mark_tree_misses
+
+    prompt = [1, 2, 3]
+    answer = list(range(100, 140))
+    ex = [SimpleNamespace(ids=torch.tensor(prompt + answer), start=3),
+          SimpleNamespace(ids=torch.tensor([4, 5, 6] + answer), start=3)]
+    share = mark_tree_misses(ex, min_score=1.0, k=4)
+    first, second = ex[0].anchor_ok, ex[1].anchor_ok
+    assert first[2:20].all()  # nothing to match yet: the drafter drafts there
+    assert not second[10:-3].any()  # the copy of the first answer: the tree drafts (to its end)
+    assert not first[:2].any() and not first[-1]  # prompt and the last token: never anchors
+    assert 0.3 < share < 0.8
+    # Batches carry the mask; anchors are drawn only where it (and the response) allows.
+    e = [SimpleNamespace(ids=x.ids, start=x.start, aux=torch.zeros(len(x.ids), 2),
+                         final=torch.zeros(len(x.ids), 2), tgt=None, anchor_ok=x.anchor_ok)
+         for x in ex]
+    batch = collate(e)
+    allowed = response_mask(batch["starts"], batch["lengths"], batch["ids"].shape[1]) & batch["anchor_ok"]
+    a = sample_anchors(allowed, batch["lengths"], 8, 4, torch.Generator().manual_seed(0))
+    for b in range(2):
+        used = a[b][a[b] >= 0]
+        assert used.numel() and ex[b].anchor_ok[used].all()
+
+
 # -- data ---------------------------------------------------------------------------------------------
 
 def test_prompt_sources_and_stable_split(tmp_path):
@@ -555,6 +586,8 @@ def test_resume_continues_with_identical_state(walk_target, walk_samples, tmp_pa
     (["--out", "X", "--humaneval", "--sampled-answers", "2", "--temperature", "0"],
      "--sampled-answers needs --temperature > 0"),
     (["--out", "X", "--humaneval", "--followups", "-1"], "--followups must be >= 0"),
+    (["--out", "X", "--humaneval", "--anchors", "tree-miss", "--tree-min-score", "-1"],
+     "--tree-min-score must be >= 0"),
 ])
 def test_cli_one_line_errors(argv, msg, tmp_path, capsys):
     from vllm_onlinespec.cli import main

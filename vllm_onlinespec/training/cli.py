@@ -29,7 +29,8 @@ DEFAULTS: dict = {
     "target_dtype": "float32", "gen_cache": None, "loss_mode": "reverse_kl", "alpha": 0.8,
     "gamma": 7.0, "loss_vocab": "seen", "eval_anchors": 16, "eval_every": 0, "threads": "auto",
     "features": "vllm", "self_prompts": 0, "normalize_features": False,
-    "compute_dtype": "float32", "draft_vocab_size": None,
+    "compute_dtype": "float32", "draft_vocab_size": None, "anchors": "all",
+    "tree_min_score": 1.0,
 }
 # Where the project keeps Spec-Bench beside a checkout ("auto" also reads this env variable).
 SPEC_BENCH_ENV = "VLLM_ONLINESPEC_SPEC_BENCH"
@@ -200,6 +201,14 @@ def add_train_parser(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--batch-size", type=int, help="sequences per step (default 4)")
     g.add_argument("--anchors-per-seq", type=int, help="blocks per sequence per step (default 8)")
     g.add_argument("--warmup-steps", type=int, help="linear warm-up steps (default 20)")
+    g.add_argument("--anchors", choices=["all", "tree-miss"],
+                   help="where training blocks start: 'all' response positions (default) or "
+                   "'tree-miss', only where the suffix tree's draft scores below "
+                   "--tree-min-score, the positions the hybrid proposer asks the drafter for "
+                   "(needs arctic-inference, as prompt_lookup source 'suffix_tree' does)")
+    g.add_argument("--tree-min-score", type=float,
+                   help="with --anchors tree-miss: the serving threshold, "
+                   "prompt_lookup.suffix_min_score (default 1.0 tokens)")
     g.add_argument("--loss-mode", choices=["reverse_kl", "forward_kl", "ce"])
     g.add_argument("--alpha", type=float, help="weight of CE to the target's argmax (default 0.8)")
     g.add_argument("--gamma", type=float, help="position weight decay exp(-(k-1)/gamma) (default 7)")
@@ -262,6 +271,12 @@ def resolve_settings(args: argparse.Namespace) -> dict:
               "draft_vocab_size"):
         if s[k] is not None and s[k] < 1:
             raise ValueError(f"--{k.replace('_', '-')} must be >= 1 (got {s[k]})")
+    if s["tree_min_score"] < 0:
+        raise ValueError(f"--tree-min-score must be >= 0 (got {s['tree_min_score']})")
+    if s["anchors"] == "tree-miss":
+        from ..drafter.suffix_tree import require_suffix_decoding
+
+        require_suffix_decoding("--anchors tree-miss")
     s["threads"] = _threads(str(s["threads"]))
     if not 0 <= s["alpha"] <= 1 or s["gamma"] <= 0 or s["lr"] <= 0 or s["temperature"] < 0:
         raise ValueError("need 0 <= --alpha <= 1, --gamma > 0, --lr > 0, --temperature >= 0")
@@ -418,7 +433,8 @@ def run_train(args: argparse.Namespace) -> int:
         lr=s["lr"], warmup_steps=s["warmup_steps"], seed=s["seed"], eval_anchors=s["eval_anchors"],
         eval_every=s["eval_every"], target_dtype=s["target_dtype"],
         normalize_features=bool(s["normalize_features"]), compute_dtype=s["compute_dtype"],
-        draft_vocab_size=s["draft_vocab_size"],
+        draft_vocab_size=s["draft_vocab_size"], anchors=s["anchors"],
+        tree_min_score=s["tree_min_score"],
         loss={"mode": s["loss_mode"], "alpha": s["alpha"], "gamma": s["gamma"],
               "vocab": s["loss_vocab"]})
     data_dir = Path(s["data"]) if s["data"] else out / "data"

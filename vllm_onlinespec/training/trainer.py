@@ -61,6 +61,11 @@ class TrainConfig:
     min_lr_frac: float = 0.1
     warmup_steps: int = 20
     schedule: str = "cosine"  # or "linear"
+    # Where training blocks are anchored: "all" response positions, or "tree-miss": only where
+    # the suffix tree's draft scores below tree_min_score, the positions the hybrid proposer
+    # asks the drafter for (training/tree_anchors.py).
+    anchors: str = "all"
+    tree_min_score: float = 1.0
     weight_decay: float = 0.01
     grad_clip: float = 1.0
     loss: LossConfig = field(default_factory=LossConfig)  # loss.vocab: see blocks.LossVocab
@@ -97,6 +102,8 @@ class TrainConfig:
                   "anchors_per_seq": self.anchors_per_seq >= 1, "lr": self.lr > 0,
                   "min_lr_frac": 0 <= self.min_lr_frac <= 1, "warmup_steps": self.warmup_steps >= 0,
                   "schedule": self.schedule in ("cosine", "linear"),
+                  "anchors": self.anchors in ("all", "tree-miss"),
+                  "tree_min_score": self.tree_min_score >= 0,
                   "grad_clip": self.grad_clip > 0, "eval_anchors": self.eval_anchors >= 1,
                   "max_steps": self.max_steps is None or self.max_steps >= 1,
                   "compute_dtype": self.compute_dtype in ("float32", "bfloat16"),
@@ -125,6 +132,9 @@ class Example:
     aux: Tensor  # [T, n*H] feature_dtype
     final: Tensor  # [T, H] feature_dtype
     tgt: Tensor | None = None  # [T] int64, the target's argmax after each position (cached labels)
+    # [T] bool: positions a training block may be anchored at (None: every response position);
+    # set by training/tree_anchors.py for `anchors = "tree-miss"`.
+    anchor_ok: Tensor | None = None
 
 
 def load_target(path: str, dtype: str = "float32") -> nn.Module:
@@ -241,6 +251,11 @@ def collate(examples: Sequence[Example]) -> dict[str, Tensor]:
     lengths = torch.tensor([len(e.ids) for e in examples])
     starts = torch.tensor([e.start for e in examples])
     out = {"ids": ids, "aux": aux, "final": final, "lengths": lengths, "starts": starts}
+    if any(e.anchor_ok is not None for e in examples):
+        out["anchor_ok"] = torch.ones(b, t, dtype=torch.bool)
+        for r, e in enumerate(examples):
+            if e.anchor_ok is not None:
+                out["anchor_ok"][r, :len(e.ids)] = e.anchor_ok
     if all(e.tgt is not None for e in examples):
         out["target_ids"] = torch.zeros(b, t, dtype=torch.long)
         for r, e in enumerate(examples):
@@ -395,8 +410,11 @@ def train_step(drafter: DFlashDrafter, batch: dict[str, Tensor], anchors_per_seq
     `anchor_seed`), block_loss, clipped AdamW step. Returns (BlockStats, grad norm)."""
     t = batch["ids"].shape[1]
     gen = torch.Generator().manual_seed(anchor_seed)
-    anchors = sample_anchors(response_mask(batch["starts"], batch["lengths"], t),
-                             batch["lengths"], anchors_per_seq, drafter.config.num_draft_tokens, gen)
+    allowed = response_mask(batch["starts"], batch["lengths"], t)
+    if "anchor_ok" in batch:
+        allowed = allowed & batch["anchor_ok"]
+    anchors = sample_anchors(allowed, batch["lengths"], anchors_per_seq,
+                             drafter.config.num_draft_tokens, gen)
     with torch.autocast("cpu" if batch["ids"].device.type == "cpu" else "cuda",
                         dtype=compute_dtype, enabled=compute_dtype != torch.float32):
         loss, st = block_loss(drafter, batch["ids"], batch["aux"], batch["final"], anchors,
@@ -608,6 +626,14 @@ def train(target_path: str, train_samples: Sequence[Sample], heldout_samples: Se
         timings["labels_s"] = time.perf_counter() - t0
         log(f"target labels: {sum(len(e.ids) - e.start for e in train_ex)} response positions, "
             f"{timings['labels_s']:.0f} s")
+    if cfg.anchors == "tree-miss":
+        from .tree_anchors import mark_tree_misses
+
+        t0 = time.perf_counter()
+        share = mark_tree_misses(train_ex, cfg.tree_min_score, k)
+        timings["tree_anchors_s"] = time.perf_counter() - t0
+        log(f"anchors: the {share:.1%} of response positions where the suffix tree's score stays "
+            f"below {cfg.tree_min_score:g} ({timings['tree_anchors_s']:.0f} s)")
     # loss.vocab "seen": every token of the training sequences (and their labels) is known up front.
     vocab = (LossVocab.of(lm_head_w, torch.cat([e.ids for e in train_ex]
                                                + [e.tgt for e in train_ex if e.tgt is not None]))
