@@ -3,14 +3,20 @@
     python benchmarks/drafter_served.py --prompts RUN/heldout_prompts.jsonl \
         --arm nospec --arm dflash:DRAFTER_DIR:4 [--arm dflash:OTHER:7 ...] \
         [--arm recipe:DRAFTER_DIR:4] [--arm recipe-tree:DRAFTER_DIR:4] [--arm ngram:4] \
-        [--arm suffix:16] \
+        [--arm suffix:16] [--arm recipe-tree-unpriced:DRAFTER_DIR:16] \
+        [--arm recipe-tree-conf:DRAFTER_DIR:16] \
         --batch1 12 --batch8 32 --max-tokens 128 --out runs/drafter/served.json
 
 `dflash` arms are vLLM's own DFlash worker; `frozen-fixed` this project's worker with learning
 off, fixed K and no lookup (against `dflash`: the plugin's own price); `recipe` arms serve the drafter through this
 project's worker with learning off and the CPU serving recipe (budget + prompt lookup);
-`recipe-tree` the same with SuffixDecoding's trees as the lookup source;
-`ngram` and `suffix` are vLLM's training-free methods. Every arm is one engine in its own
+`recipe-tree` the same with SuffixDecoding's trees as the lookup source (the `cpu` preset's
+serving half); `recipe-tree-unpriced` that with the tree's drafts verified whole (no pricing,
+as vLLM's suffix decoding does) and `recipe-tree-conf` with the budget's acceptance from the
+drafter's top-1 probability (`length_head.estimator: confidence`) instead of the length head;
+`ngram` and `suffix` are vLLM's training-free methods. This project's arms also report the
+worker's stats at the end (the acceptance estimate's and the population estimate's squared
+error on exact labels, tree tokens left unverified, gate shut steps). Every arm is one engine in its own
 subprocess (one engine at a time on the CPU box; a fresh process per engine keeps timings
 independent). Each engine serves the held-out prompts twice:
 one at a time (batch 1: `--batch1` prompts, one request per `llm.chat` call) and in waves of 8
@@ -45,6 +51,12 @@ SERVING_RECIPE = {**RECIPE_TREE, "prompt_lookup": {"enabled": True, "source": "n
 # The worker with nothing to do but serve vLLM's DFlash drafter: learning off, fixed K, no
 # lookup. Against `dflash` (vLLM's own worker, same drafter and K) it prices the plugin.
 FROZEN_FIXED = {"enabled": False, "length_head": {"policy": "fixed"}}
+RECIPE_TREE_UNPRICED = {**RECIPE_TREE, "length_head": {**RECIPE_TREE["length_head"],
+                                                       "price_lookup": False}}
+RECIPE_TREE_CONF = {**RECIPE_TREE, "length_head": {**RECIPE_TREE["length_head"],
+                                                   "estimator": "confidence"}}
+OURS = {"frozen-fixed": FROZEN_FIXED, "recipe": SERVING_RECIPE, "recipe-tree": RECIPE_TREE,
+        "recipe-tree-unpriced": RECIPE_TREE_UNPRICED, "recipe-tree-conf": RECIPE_TREE_CONF}
 COUNTERS = {"accepted": "vllm:spec_decode_num_accepted_tokens",
             "drafts": "vllm:spec_decode_num_drafts"}
 
@@ -93,14 +105,14 @@ class ArmConf:
             return cls(name=f"ngram-k{parts[1]}", method="ngram", k=int(parts[1]))
         if parts[0] == "suffix" and len(parts) == 2:
             return cls(name=f"suffix-k{parts[1]}", method="suffix", k=int(parts[1]))
-        if parts[0] in ("dflash", "frozen-fixed", "recipe", "recipe-tree") and len(parts) == 3:
+        if (parts[0] == "dflash" or parts[0] in OURS) and len(parts) == 3:
             d = Path(parts[1])
             if not (d / "config.json").is_file():
                 raise SystemExit(f"--arm {spec}: {d} has no config.json")
             return cls(name=f"{parts[0]}-k{parts[2]}:{d.name}", method=parts[0], drafter=str(d),
                        k=int(parts[2]))
-        raise SystemExit(f"--arm {spec!r}: expected nospec, ngram:K, suffix:K, dflash:DIR:K, "
-                         "frozen-fixed:DIR:K, recipe:DIR:K or recipe-tree:DIR:K")
+        raise SystemExit(f"--arm {spec!r}: expected nospec, ngram:K, suffix:K, dflash:DIR:K or "
+                         f"one of {', '.join(OURS)} as NAME:DIR:K")
 
 
 def _counters(llm) -> dict[str, int]:
@@ -115,15 +127,11 @@ def run_engine(arm: ArmConf, prompts: list[dict], n1: int, n8: int, max_tokens: 
     from vllm_onlinespec.engine import engine_kwargs
 
     kw = engine_kwargs()
-    if arm.method in ("dflash", "frozen-fixed", "recipe", "recipe-tree"):
+    if arm.method == "dflash" or arm.method in OURS:
         kw["speculative_config"] = {"method": "dflash", "model": arm.drafter,
                                     "num_speculative_tokens": arm.k}
-    if arm.method == "frozen-fixed":  # the plugin's own price: vLLM's DFlash step, our hooks
-        kw["additional_config"] = {"onlinespec": FROZEN_FIXED}
-    elif arm.method == "recipe":
-        kw["additional_config"] = {"onlinespec": SERVING_RECIPE}
-    elif arm.method == "recipe-tree":  # the recipe with SuffixDecoding's trees as lookup source
-        kw["additional_config"] = {"onlinespec": RECIPE_TREE}
+    if arm.method in OURS:  # frozen-fixed against dflash: the plugin's own price
+        kw["additional_config"] = {"onlinespec": OURS[arm.method]}
     elif arm.method == "suffix":
         kw["speculative_config"] = {"method": "suffix", "num_speculative_tokens": arm.k}
     elif arm.method == "ngram":
@@ -153,8 +161,23 @@ def run_engine(arm: ArmConf, prompts: list[dict], n1: int, n8: int, max_tokens: 
         c1 = _counters(llm)
         ph.accepted, ph.drafts = c1["accepted"] - c0["accepted"], c1["drafts"] - c0["drafts"]
         phases.append(ph.to_json())
+    worker = None
+    if arm.method in OURS:
+        from vllm_onlinespec.serving.stats import fetch
+
+        st = fetch(llm)
+        c = st.cutter
+        worker = {"estimator_mse": c.estimator_mse, "estimator_labels": c.estimator_labels,
+                  "estimator_population_mse": c.estimator_population_mse,
+                  "head_mse": c.head_mse, "head_labels": c.head_labels,
+                  "head_population_mse": c.head_population_mse, "head": c.head,
+                  "gate_steps": c.gate_steps, "gate_shut_steps": c.gate_shut_steps,
+                  "lookup_drafted": st.lookup_drafted, "lookup_accepted": st.lookup_accepted,
+                  "lookup_priced_cut": st.lookup_priced_cut,
+                  "lookup_calibration": st.lookup_calibration, "hook_errors": st.hook_errors}
     llm.llm_engine.engine_core.shutdown()
-    return {"arm": asdict(arm), "startup_s": round(startup, 1), "phases": phases}
+    return {"arm": asdict(arm), "startup_s": round(startup, 1), "phases": phases,
+            "worker": worker}
 
 
 def main() -> int:

@@ -154,11 +154,11 @@ class LengthHeadConfig(_Section):
         "drafter's top-1 probability per position, fitted from verification (vLLM's adaptive "
         "verification feature, policy/acceptance_estimator.py); no length head needed")
     price_lookup: bool = Field(
-        True, description="'budget' only: verify of each suffix-tree draft (prompt_lookup "
-        "source 'suffix_tree') the prefix that pays in the next step, each token priced by the "
-        "tree's own estimate calibrated from verification and the target's measured cost per "
-        "token (policy/lookup_price.py); false verifies tree drafts whole, as vLLM's suffix "
-        "decoding does")
+        True, description="'budget' only: verify only the prefix of each suffix-tree draft "
+        "(prompt_lookup source 'suffix_tree') that pays in the next step, each token priced by "
+        "the tree's own estimate calibrated from verification and the target's measured cost "
+        "per token (policy/lookup_price.py); false verifies tree drafts whole, as vLLM's "
+        "suffix decoding does")
     k0_step: Literal["context_only", "forward"] = Field(
         "context_only", description="what the DFlash drafter runs on a step that drafts "
         "nothing (the gate shut, or a plain feature-logging engine): 'context_only' writes only "
