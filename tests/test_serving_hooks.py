@@ -8,6 +8,7 @@ refreshed from the snapshot that was published. serving/feedback.py's row arithm
 
 from __future__ import annotations
 
+import dataclasses
 from types import SimpleNamespace
 
 import pytest
@@ -515,19 +516,19 @@ def test_tp_rank0_resumed_version_still_reaches_the_other_ranks():
     assert r1.publisher.version == 5 and not wire
 
 
+@dataclasses.dataclass
+class SO:
+    """The fields of vLLM's SchedulerOutput the gate and the cycle timer read."""
+    num_scheduled_tokens: dict
+    scheduled_spec_decode_tokens: dict
+    total_num_scheduled_tokens: int
+    num_spec_tokens_to_schedule: int = 4
+
+
 def test_a_shut_gate_asks_vllms_drafter_for_k0_on_a_copy(runner):
     """The budget's gate shut: vLLM's propose gets a copy of the scheduler output with
     num_spec_tokens_to_schedule = 0 (its dynamic-K path); the scheduler's own object is left
     alone, and the drafter's time is booked as a K = 0 forward."""
-    import dataclasses
-
-    @dataclasses.dataclass
-    class SO:
-        num_scheduled_tokens: dict
-        scheduled_spec_decode_tokens: dict
-        total_num_scheduled_tokens: int
-        num_spec_tokens_to_schedule: int = 4
-
     seen, timed = [], []
     FakeVllmRunner.propose_draft_token_ids, orig = (
         lambda self, so, *a, **k: seen.append(so) or "proposed"), FakeVllmRunner.propose_draft_token_ids
@@ -560,14 +561,6 @@ def test_cycles_that_verify_only_lookup_drafts_are_priced_as_plain(runner):
     step, a cycle after a shut gate (k = 0) verifies only the tree's tokens: a plain cycle for
     the gate. A cycle counts as having verified the drafter's drafts only after one that asked
     the drafter for k > 0."""
-    import dataclasses
-
-    @dataclasses.dataclass
-    class SO:
-        num_scheduled_tokens: dict
-        scheduled_spec_decode_tokens: dict
-        total_num_scheduled_tokens: int
-        num_spec_tokens_to_schedule: int = 4
 
     plan = iter([4, 0, 0, 2, 0, 4])  # the gate's k per cycle
     cycles = []

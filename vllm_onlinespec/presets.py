@@ -43,7 +43,9 @@ LEARNER: dict = {
 # answers predict what follows (up to vLLM's num_speculative_tokens, PRESET_K; the drafter
 # drafts its own block). On 80 unseen prompts, three passes: 1.01x / 1.21x the ngram-lookup
 # recipe's tok/s at batch 1 / 8 and 1.02x / 1.07x vLLM's own suffix decoding
-# (docs/results/suffix_hybrid.md).
+# (docs/results/suffix_hybrid.md). The budget also prices the tree's drafts
+# (`length_head.price_lookup`, on by default): 1.12x / 1.23x the unpriced recipe at 4 / 32
+# concurrent requests under `vllm serve` (docs/results/priced_lookup.md).
 SERVING_CPU: dict = {"length_head": {"policy": "budget", "k_min": 0},
                      "prompt_lookup": {"enabled": True, "source": "suffix_tree"}}
 

@@ -113,41 +113,26 @@ def suffix_k(name: str) -> int | None:
     return int(tail) if tail.isdigit() and int(tail) > 0 else None
 
 
-# <our arm>+<suffix>: a length_head setting on top of the arm's own (the budget policy's parts).
-LENGTH_HEAD_SUFFIXES = {"+confidence": {"estimator": "confidence"},
-                        "+unpriced": {"price_lookup": False}}
+# <our arm><suffix>: one config section's settings merged over the arm's own.
+ARM_SUFFIXES: dict[str, tuple[str, dict]] = {
+    TREE_SUFFIX: ("prompt_lookup", {"enabled": True, "source": "suffix_tree"}),
+    LOOKUP_SUFFIX: ("prompt_lookup", {"enabled": True, "source": "ngram"}),
+    NO_LOOKUP_SUFFIX: ("prompt_lookup", {"enabled": False}),
+    "+confidence": ("length_head", {"estimator": "confidence"}),
+    "+unpriced": ("length_head", {"price_lookup": False}),
+}
 
 
 def _parse(name: str) -> tuple[str, dict | None]:
     """(method, onlinespec overrides or None) for an arm name."""
-    for sfx, setting in LENGTH_HEAD_SUFFIXES.items():
+    for sfx, (section, setting) in ARM_SUFFIXES.items():
         if name.endswith(sfx):
-            method, over = _parse(name[: -len(sfx)])
-            if over is None:
+            base = name[: -len(sfx)]
+            method, over = _parse(base)
+            if over is None:  # only our worker has these parts (vLLM's own arms have no hook)
                 raise ValueError(f"arm {name!r}: {sfx} goes with this project's DFlash arms "
-                                 f"(frozen, online-<algorithm>, shadow, a policy), not "
-                                 f"{name[: -len(sfx)]!r}")
-            return method, {**over, "length_head": {**over.get("length_head", {}), **setting}}
-    if name.endswith(TREE_SUFFIX):
-        method, over = _parse(name[: -len(TREE_SUFFIX)])
-        if over is None:
-            raise ValueError(f"arm {name!r}: {TREE_SUFFIX} goes with this project's DFlash arms "
-                             f"(frozen, online-<algorithm>, shadow, a policy), not "
-                             f"{name[: -len(TREE_SUFFIX)]!r}")
-        return method, {**over, "prompt_lookup": {"enabled": True, "source": "suffix_tree"}}
-    if name.endswith(LOOKUP_SUFFIX):
-        method, over = _parse(name[: -len(LOOKUP_SUFFIX)])
-        if over is None:  # only our worker runs the hybrid (vLLM's own arms have no hook)
-            raise ValueError(f"arm {name!r}: {LOOKUP_SUFFIX} goes with this project's DFlash "
-                             "arms (frozen, online-<algorithm>, shadow, a policy), not "
-                             f"{name[: -len(LOOKUP_SUFFIX)]!r}")
-        return method, {**over, "prompt_lookup": {"enabled": True, "source": "ngram"}}
-    if name.endswith(NO_LOOKUP_SUFFIX):
-        method, over = _parse(name[: -len(NO_LOOKUP_SUFFIX)])
-        if over is None:
-            raise ValueError(f"arm {name!r}: {NO_LOOKUP_SUFFIX} goes with this project's DFlash "
-                             "arms")
-        return method, {**over, "prompt_lookup": {"enabled": False}}
+                                 f"(frozen, online-<algorithm>, shadow, a policy), not {base!r}")
+            return method, {**over, section: {**over.get(section, {}), **setting}}
     if name == "nospec":
         return "none", None
     if name == "ngram":
