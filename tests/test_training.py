@@ -501,6 +501,26 @@ def test_training_lowers_loss_and_raises_acceptance(walk_target, walk_samples, t
     assert meta["num_speculative_tokens"] == 3 and meta["train_sequences"] == 64
 
 
+def test_init_from_continues_a_trained_drafter(walk_target, walk_samples, tmp_path):
+    """--init-from: the run starts where the folder's drafter ended (same held-out acceptance
+    before its first step); a drafter of another shape is refused in one line."""
+    model, _ = walk_target
+    train_s, held_s = walk_samples
+    quiet = dict(target=model, log=lambda m: None)
+    first = train("unused", train_s, held_s, tmp_path / "a", _cfg(epochs=3), **quiet)
+    cont = train("unused", train_s, held_s, tmp_path / "b",
+                 _cfg(epochs=1, init_from=str(tmp_path / "a")), **quiet)
+    for key in ("accepted", "loss"):
+        assert cont.evals[0][key] == pytest.approx(first.evals[-1][key], rel=1e-3)
+    fresh = train("unused", train_s, held_s, tmp_path / "c", _cfg(epochs=1), **quiet)
+    assert cont.evals[0]["loss"] < 0.9 * fresh.evals[0]["loss"]
+    with pytest.raises(ValueError, match="its (layer_types|num_hidden_layers) is"):
+        train("unused", train_s, held_s, tmp_path / "d",
+              _cfg(epochs=1, num_layers=2, init_from=str(tmp_path / "a")), **quiet)
+    with pytest.raises(ValueError, match="feature scale"):
+        _cfg(init_from="x", normalize_features=True)
+
+
 def test_ce_training_on_cached_labels_with_normalised_features(walk_target, walk_samples,
                                                                 tmp_path):
     """The fast recipe (CE on cached target labels, normalised features, bf16 autocast) learns,

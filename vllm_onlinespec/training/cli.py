@@ -30,7 +30,7 @@ DEFAULTS: dict = {
     "gamma": 7.0, "loss_vocab": "seen", "eval_anchors": 16, "eval_every": 0, "threads": "auto",
     "features": "vllm", "self_prompts": 0, "normalize_features": False,
     "compute_dtype": "float32", "draft_vocab_size": None, "anchors": "all",
-    "tree_min_score": 1.0,
+    "tree_min_score": 1.0, "init_from": None,
 }
 # Where the project keeps Spec-Bench beside a checkout ("auto" also reads this env variable).
 SPEC_BENCH_ENV = "VLLM_ONLINESPEC_SPEC_BENCH"
@@ -206,6 +206,10 @@ def add_train_parser(sub: argparse._SubParsersAction) -> None:
                    "'tree-miss', only where the suffix tree's draft scores below "
                    "--tree-min-score, the positions the hybrid proposer asks the drafter for "
                    "(needs arctic-inference, as prompt_lookup source 'suffix_tree' does)")
+    g.add_argument("--init-from", metavar="DRAFTER",
+                   help="continue training a drafter folder: its weights, shape, draft "
+                   "vocabulary and length head (the shape flags and --draft-vocab-size are "
+                   "taken from it)")
     g.add_argument("--tree-min-score", type=float,
                    help="with --anchors tree-miss: the serving threshold, "
                    "prompt_lookup.suffix_min_score (default 1.0 tokens)")
@@ -400,6 +404,15 @@ def run_train(args: argparse.Namespace) -> int:
     out = Path(s["out"])
     tok = AutoTokenizer.from_pretrained(target_path)
     mask_id = pick_mask_token(tok, str(s["mask_token_id"]))
+    if s["init_from"]:  # the run takes the checkpoint's shape
+        from ..drafter.checkpoint import load_drafter_config
+
+        icfg = load_drafter_config(s["init_from"])
+        s.update(layers=icfg.num_hidden_layers, block_size=icfg.block_size,
+                 target_layers=",".join(map(str, icfg.target_layer_ids)),
+                 num_target_features=len(icfg.target_layer_ids), normalize_features=False,
+                 draft_vocab_size=icfg.draft_vocab_size)
+        mask_id = icfg.mask_token_id
 
     n_all = len(prompts)
     prompts = [p for p in prompts if len(chat_ids(tok, p)) <= s["max_prompt_tokens"]]
@@ -434,7 +447,7 @@ def run_train(args: argparse.Namespace) -> int:
         eval_every=s["eval_every"], target_dtype=s["target_dtype"],
         normalize_features=bool(s["normalize_features"]), compute_dtype=s["compute_dtype"],
         draft_vocab_size=s["draft_vocab_size"], anchors=s["anchors"],
-        tree_min_score=s["tree_min_score"],
+        tree_min_score=s["tree_min_score"], init_from=s["init_from"],
         loss={"mode": s["loss_mode"], "alpha": s["alpha"], "gamma": s["gamma"],
               "vocab": s["loss_vocab"]})
     data_dir = Path(s["data"]) if s["data"] else out / "data"

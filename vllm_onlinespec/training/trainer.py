@@ -66,6 +66,10 @@ class TrainConfig:
     # asks the drafter for (training/tree_anchors.py).
     anchors: str = "all"
     tree_min_score: float = 1.0
+    # Start from a trained drafter folder's weights (its shape, draft vocabulary and length
+    # head) instead of random ones: continued training. Its fc already holds the feature
+    # scale it was trained with, so features are not normalised again.
+    init_from: str | None = None
     weight_decay: float = 0.01
     grad_clip: float = 1.0
     loss: LossConfig = field(default_factory=LossConfig)  # loss.vocab: see blocks.LossVocab
@@ -111,6 +115,9 @@ class TrainConfig:
         bad = [k for k, ok in checks.items() if not ok]
         if bad:
             raise ValueError(f"invalid training setting {bad[0]}={getattr(self, bad[0])!r}")
+        if self.init_from is not None and self.normalize_features:
+            raise ValueError("init_from: the checkpoint's fc already holds its feature scale; "
+                             "leave normalize_features off")
         if self.draft_vocab_size is not None and self.loss.mode != "ce":
             raise ValueError("draft_vocab_size needs loss mode 'ce' (cached target labels "
                              "score the reduced vocabulary as vLLM serves it)")
@@ -555,6 +562,23 @@ def _log(out: Path, row: dict) -> None:
         f.write(json.dumps(row) + "\n")
 
 
+def _init_from(path: str, dcfg: DFlashConfig, drafter: DFlashDrafter,
+               length_head: LengthHead | None) -> None:
+    """Copy a trained drafter folder's weights into this run's drafter (and length head, when
+    both have one); a shape that differs is one line naming the field."""
+    from ..drafter.checkpoint import load_drafter
+
+    icfg, idrafter, ihead = load_drafter(path, dtype=torch.float32)
+    mine, theirs = dcfg.to_hf_dict(), icfg.to_hf_dict()
+    for key in sorted(set(mine) | set(theirs)):
+        if key not in ("torch_dtype", "draft_vocab_size") and mine.get(key) != theirs.get(key):
+            raise ValueError(f"--init-from {path}: its {key} is {theirs.get(key)!r}, this run's "
+                             f"{mine.get(key)!r}")
+    drafter.load_state_dict(idrafter.state_dict())
+    if length_head is not None and ihead is not None:
+        length_head.load_state_dict(ihead.state_dict())
+
+
 def train(target_path: str, train_samples: Sequence[Sample], heldout_samples: Sequence[Sample],
           out: str | os.PathLike, cfg: TrainConfig, *, target: nn.Module | None = None,
           stop_after: int | None = None, meta: dict | None = None,
@@ -639,7 +663,15 @@ def train(target_path: str, train_samples: Sequence[Sample], heldout_samples: Se
                                                + [e.tgt for e in train_ex if e.tgt is not None]))
              if cfg.loss.vocab == "seen" else None)
     draft_vocab = None
-    if cfg.draft_vocab_size is not None:
+    if cfg.init_from is not None:
+        from ..drafter.checkpoint import load_draft_vocab
+
+        draft_vocab = load_draft_vocab(cfg.init_from, dtype=torch.float32)
+        if draft_vocab is not None:
+            vocab = draft_vocab
+            log(f"draft vocabulary: {cfg.init_from}'s {len(vocab)} tokens "
+                f"({label_coverage(train_ex, vocab):.2%} of the training labels)")
+    elif cfg.draft_vocab_size is not None:
         draft_vocab = vocab = frequent_vocab(train_ex, lm_head_w, cfg.draft_vocab_size, tcfg)
         log(f"draft vocabulary: the {len(vocab)} most frequent labels ("
             f"{label_coverage(train_ex, vocab):.2%} of the training labels), served as d2t")
@@ -649,6 +681,9 @@ def train(target_path: str, train_samples: Sequence[Sample], heldout_samples: Se
 
     drafter = DFlashDrafter(dcfg).float()
     length_head = LengthHead(dcfg.hidden_size).float() if cfg.length_head else None
+    if cfg.init_from is not None:
+        _init_from(cfg.init_from, dcfg, drafter, length_head)
+        log(f"weights: from {cfg.init_from}")
     params = list(drafter.parameters()) + (list(length_head.parameters()) if length_head is not None else [])
     opt = make_optimizer(params, cfg.lr, cfg.weight_decay)
     lengths = [len(e.ids) for e in train_ex]
