@@ -30,12 +30,12 @@ def test_starts_at_the_drafters_confidence_and_labels_through_the_first_rejectio
     c = np.array([[0.9, 0.6, 0.3, 0.2]])
     assert np.allclose(e.predict(c), c, atol=1e-6)
     assert np.allclose(logit(np.array([0.5])), 0.0)
-    e.record(["a"], c, [4], r_pop=0.5)
+    e.record(["a"], c, e.predict(c), [4], r_pop=0.5)
     e.observe(["a"], [4], [1])  # accepted 1: labels 1, 0 at positions 0, 1; 2, 3 unlabelled
     assert e.updates == 2 and e.labels == 1
     assert e.w[2] == 1.0 and e.b[2] == 0.0  # untouched
     # A draft accepted up to its cut (2 of 4 kept): censored, learned from, not scored.
-    e.record(["b"], c, [2], r_pop=0.5)
+    e.record(["b"], c, e.predict(c), [2], r_pop=0.5)
     e.observe(["b"], [2], [2])
     assert e.labels == 1 and e.updates == 4
     e.observe(["zz"], [3], [1])  # never recorded: ignored
@@ -53,11 +53,11 @@ def test_learns_an_overconfident_drafter_and_beats_the_population_estimate():
         c = rng.uniform(0.05, 0.99, size=(1, K))
         true = c[0] ** 2
         r_pop = 0.35 if step > 0 else None
-        e.record(["r"], c, [K], r_pop)
+        e.record(["r"], c, e.predict(c), [K], r_pop)
         e.observe(["r"], [K], [verify(rng, true)])
     p = e.predict(np.array([[0.9, 0.9, 0.9, 0.9]]))[0]
     assert np.all(np.abs(p - 0.81) < 0.1), p  # calibrated towards c^2 from 0.9
-    assert e.labels > 2000 and e.err_est < e.err_pop
+    assert e.labels > 2000 and e.score.mse < e.score.population_mse
     assert "beats population" in e.state()
 
 

@@ -28,6 +28,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from vllm_onlinespec.policy.head_feedback import LabelScore, exact_label
+
 EPS = 1e-4  # confidences are clipped to [EPS, 1 - EPS] before the log-odds
 MAX_PENDING = 4096  # cuts awaiting their verification (bounded, as head_feedback's)
 
@@ -54,11 +56,13 @@ class ConfidenceEstimator:
         self.w = np.ones(K)
         self.b = np.zeros(K)
         self._g2 = np.full((K, 2), 1e-8)  # AdaGrad's squared-gradient sums (w, b)
-        self._lam = 0.5 ** (1.0 / half_life)
         self.pending: dict[str, _Pending] = {}
-        self.labels = 0  # exact block labels scored
-        self.err_est = self.err_pop = self.weight = 0.0  # decayed squared errors
+        self.score = LabelScore(half_life)  # block predictions against exact labels
         self.updates = 0  # position labels learned from
+
+    @property
+    def labels(self) -> int:
+        return self.score.labels
 
     def predict(self, conf: np.ndarray) -> np.ndarray:
         """[B, k] confidences -> [B, k] conditional acceptance probabilities."""
@@ -66,11 +70,10 @@ class ConfidenceEstimator:
         k = x.shape[-1]
         return 1.0 / (1.0 + np.exp(-(self.w[:k] * x + self.b[:k])))
 
-    def record(self, req_ids: list[str], conf: np.ndarray, verified: list[int],
-               r_pop: float | None) -> np.ndarray:
-        """At the cut: each request's confidences [B, k] and verified lengths; returns the
-        predictions the cut used."""
-        p = self.predict(conf)
+    def record(self, req_ids: list[str], conf: np.ndarray, p: np.ndarray, verified: list[int],
+               r_pop: float | None) -> None:
+        """At the cut: each request's confidences [B, k], the predictions the cut used
+        (`predict(conf)`) and the verified lengths."""
         x = logit(conf)
         while len(self.pending) > MAX_PENDING:  # requests that vanished without finishing
             self.pending.pop(next(iter(self.pending)))
@@ -78,7 +81,6 @@ class ConfidenceEstimator:
             n = int(verified[i])
             g = np.cumprod(p[i, :n])
             self.pending[rid] = _Pending(x[i], n, (1.0 + float(g.sum())) / (self.K + 1), r_pop)
-        return p
 
     def observe(self, req_ids: list[str], verified: list[int], accepted: list[int]) -> None:
         """After verification: learn each position label, score each exact block label."""
@@ -91,14 +93,9 @@ class ConfidenceEstimator:
             labelled = a + 1 if a < n else n  # through the first rejection
             for j in range(labelled):
                 self._step(j, float(cut.x[j]), 1.0 if j < a else 0.0)
-            if a >= n and n < self.K:
-                continue  # censored at the cut: no exact block label
-            y = (a + 1) / (self.K + 1)
-            if cut.r_pop is not None:
-                self.err_est = self._lam * self.err_est + (cut.r_est - y) ** 2
-                self.err_pop = self._lam * self.err_pop + (cut.r_pop - y) ** 2
-                self.weight = self._lam * self.weight + 1.0
-                self.labels += 1
+            y = exact_label(n, a, self.K)
+            if y is not None and cut.r_pop is not None:
+                self.score.add(cut.r_est, cut.r_pop, y)
 
     def _step(self, j: int, x: float, y: float) -> None:
         p = 1.0 / (1.0 + np.exp(-(self.w[j] * x + self.b[j])))
@@ -116,7 +113,4 @@ class ConfidenceEstimator:
     def state(self) -> str:
         if not self.labels:
             return "confidence estimator: no exact labels yet"
-        w = max(self.weight, 1e-12)
-        verdict = "beats" if self.err_est < self.err_pop else "does not beat"
-        return (f"confidence estimator MSE {self.err_est / w:.4f} {verdict} population "
-                f"{self.err_pop / w:.4f} on {self.labels} fresh labels")
+        return self.score.describe("confidence estimator")

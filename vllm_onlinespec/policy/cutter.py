@@ -196,8 +196,9 @@ class DraftCutter:
         if self.estimator is not None:
             if conf is not None and conf.numel() == B * k:
                 conf = conf.float().view(B, k).cpu().numpy()
+                conf_p = self.estimator.predict(conf)
                 p = np.zeros((B, self.K))
-                p[:, :k] = self.estimator.predict(conf)
+                p[:, :k] = conf_p
                 kw["p_accept"] = p
             else:
                 conf = None
@@ -221,7 +222,7 @@ class DraftCutter:
             if self.head is not None:
                 self.feedback.record(req_ids, pred, r_pop, [len(d) for d in out], rows)
             if conf is not None:
-                self.estimator.record(req_ids, conf, [len(d) for d in out], r_pop)
+                self.estimator.record(req_ids, conf, conf_p, [len(d) for d in out], r_pop)
                 reason += f"; {self.estimator.state()}"
                 self.last_reason = f"{reason}; {self._next.reason}" if self._next.reason else reason
         return out

@@ -28,6 +28,51 @@ MAX_PENDING = 4096  # cuts awaiting their verification (a server's running reque
 
 
 @dataclass
+class LabelScore:
+    """A prediction of (accepted + 1) / (K + 1) and the population estimate's, scored on the
+    same exact labels: decayed squared errors (half-life in labels). Shared by the length head's
+    feedback and the confidence estimator (policy/acceptance_estimator.py)."""
+
+    half_life: float = 500.0
+    labels: int = 0  # exact labels scored (not decayed)
+    err: float = 0.0  # decayed sums over scored labels
+    err_pop: float = 0.0
+    weight: float = 0.0
+
+    def add(self, pred: float, pop: float, y: float) -> None:
+        lam = 0.5 ** (1.0 / self.half_life)
+        self.err = lam * self.err + (pred - y) ** 2
+        self.err_pop = lam * self.err_pop + (pop - y) ** 2
+        self.weight = lam * self.weight + 1.0
+        self.labels += 1
+
+    @property
+    def mse(self) -> float | None:
+        return self.err / self.weight if self.labels else None
+
+    @property
+    def population_mse(self) -> float | None:
+        return self.err_pop / self.weight if self.labels else None
+
+    @property
+    def beats_population(self) -> bool:
+        return self.labels > 0 and self.err < self.err_pop
+
+    def describe(self, name: str) -> str:
+        verdict = "beats" if self.beats_population else "does not beat"
+        return (f"{name} MSE {self.mse:.4f} {verdict} population {self.population_mse:.4f} "
+                f"on {self.labels} fresh labels")
+
+
+def exact_label(verified: int, accepted: int, K: int) -> float | None:
+    """(accepted + 1) / (K + 1) for a draft verified `verified` tokens deep, or None where the
+    label is censored (accepted up to a cut below K: it would have accepted more)."""
+    if verified <= 0 or (accepted >= verified and verified < K):
+        return None
+    return (min(accepted, verified) + 1) / (K + 1)
+
+
+@dataclass
 class PendingCut:
     r_head: float | None  # the head's prediction for this draft (None: no head prediction)
     r_pop: float | None  # the population estimate at that step (None: not enough data yet)
@@ -39,28 +84,27 @@ class HeadFeedback:
     def __init__(self, K: int, *, min_labels: int = 64, lr: float = 0.0,
                  half_life: float = 500.0) -> None:
         self.K, self.min_labels, self.lr = K, min_labels, lr
-        self._lam = 0.5 ** (1.0 / half_life)
         self.pending: dict[str, PendingCut] = {}
-        self.labels = 0  # exact labels scored (not decayed)
-        self.err_head = self.err_pop = self.weight = 0.0  # decayed sums over scored labels
+        self.score = LabelScore(half_life)
         self.updates = 0
         self._opt: torch.optim.Optimizer | None = None
 
     # -- the gate -------------------------------------------------------------------------------
+    @property
+    def labels(self) -> int:
+        return self.score.labels
+
     def passes(self) -> bool:
         if self.min_labels == 0:
             return True
-        return self.labels >= self.min_labels and self.err_head < self.err_pop
+        return self.labels >= self.min_labels and self.score.beats_population
 
     def state(self) -> str:
         if self.min_labels == 0:
             return "ungated"
         if self.labels < self.min_labels:
             return f"gated: {self.labels}/{self.min_labels} fresh labels"
-        w = max(self.weight, 1e-12)
-        verdict = "beats" if self.err_head < self.err_pop else "does not beat"
-        return (f"head MSE {self.err_head / w:.4f} {verdict} population {self.err_pop / w:.4f} "
-                f"on {self.labels} fresh labels")
+        return self.score.describe("head")
 
     # -- a step ---------------------------------------------------------------------------------
     def record(self, req_ids: list[str], r_head: list[float] | None, r_pop: float | None,
@@ -84,15 +128,12 @@ class HeadFeedback:
         xs, ys, exact = [], [], 0
         for rid, n, a in zip(req_ids, verified, accepted):
             cut = self.pending.pop(rid, None)
-            if cut is None or n <= 0 or (a >= n and n < self.K):
-                continue  # nothing verified, or censored at the cut
-            y = (min(a, n) + 1) / (self.K + 1)
+            y = None if cut is None else exact_label(n, a, self.K)
+            if y is None:
+                continue  # no recorded cut, nothing verified, or censored at the cut
             exact += 1
             if cut.r_head is not None and cut.r_pop is not None:
-                self.err_head = self._lam * self.err_head + (cut.r_head - y) ** 2
-                self.err_pop = self._lam * self.err_pop + (cut.r_pop - y) ** 2
-                self.weight = self._lam * self.weight + 1.0
-                self.labels += 1
+                self.score.add(cut.r_head, cut.r_pop, y)
             if cut.rows is not None:
                 xs.append(cut.rows)
                 ys.append(y)

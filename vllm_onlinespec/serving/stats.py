@@ -185,16 +185,14 @@ def _estimator_fields(c: Any) -> dict[str, Any]:
     """The head's and the confidence estimator's errors on their exact labels, beside the
     population estimate's on the same labels (None where nothing was scored)."""
     out: dict[str, Any] = {}
-    fb, e = c.feedback, getattr(c, "estimator", None)
-    if fb.labels:
-        w = max(fb.weight, 1e-12)
-        out.update(head_mse=round(fb.err_head / w, 5), head_population_mse=round(fb.err_pop / w, 5))
-    if e is not None:
-        out["estimator_labels"] = e.labels
-        if e.labels:
-            w = max(e.weight, 1e-12)
-            out.update(estimator_mse=round(e.err_est / w, 5),
-                       estimator_population_mse=round(e.err_pop / w, 5))
+    for prefix, owner in (("head", c.feedback), ("estimator", getattr(c, "estimator", None))):
+        score = getattr(owner, "score", None)
+        if score is None or not score.labels:
+            continue
+        out[f"{prefix}_mse"] = round(score.mse, 5)
+        out[f"{prefix}_population_mse"] = round(score.population_mse, 5)
+    if getattr(c, "estimator", None) is not None:
+        out["estimator_labels"] = c.estimator.labels
     return out
 
 
