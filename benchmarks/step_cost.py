@@ -85,6 +85,7 @@ def arms_for(ks: list[int], drafter: str) -> list[ArmConf]:
     worker, no Intel OpenMP, learning on with and without re-packing)."""
     frozen = {"enabled": False, "length_head": {"policy": "fixed"}}
     online = {"length_head": {"policy": "fixed"}}
+    k0 = {"enabled": False, "features": {"plain": True}}
     out = [ArmConf("nospec", "none"), ArmConf("nospec+iomp", "none", iomp="on"),
            ArmConf("nospec-fp32", "none", dtype="float32")]
     for i, k in enumerate(ks):
@@ -105,7 +106,16 @@ def arms_for(ks: list[int], drafter: str) -> list[ArmConf]:
                     ArmConf("k0", "ours", k, online={"enabled": False, "features": {"plain": True}}),
                     ArmConf("k0-forward", "ours", k, online={
                         "enabled": False, "features": {"plain": True},
-                        "length_head": {"k0_step": "forward"}})]
+                        "length_head": {"k0_step": "forward"}}),
+                    # the floor in float32 (boxes without AVX512-BF16 serve float32), with and
+                    # without Intel OpenMP, and as `bench-serve`'s k0 arm runs it (the cpu
+                    # preset's budget and suffix-tree lookup configured, K = 16)
+                    ArmConf("k0-fp32", "ours", k, online=k0, dtype="float32"),
+                    ArmConf("k0-fp32-no-iomp", "ours", k, iomp="off", online=k0,
+                            dtype="float32"),
+                    ArmConf("k0-recipe-fp32", "ours", 16, dtype="float32", online={
+                        **k0, "length_head": {"policy": "budget", "k_min": 0},
+                        "prompt_lookup": {"enabled": True, "source": "suffix_tree"}})]
     return out
 
 
@@ -225,11 +235,18 @@ def summarize(arm: ArmConf, runs: list[dict]) -> list[Row]:
     return rows
 
 
+def baseline_arm(arm: str, arms: set[str]) -> str:
+    """The plain arm an arm is compared with: float32 arms with nospec-fp32 where it ran."""
+    return "nospec-fp32" if "fp32" in arm and "nospec-fp32" in arms else "nospec"
+
+
 def add_speedups(rows: list[Row]) -> None:
-    base = {r.batch: r.tok_s for r in rows if r.arm == "nospec"}
+    arms = {r.arm for r in rows}
+    base = {(r.arm, r.batch): r.tok_s for r in rows}
     for r in rows:
-        if r.batch in base and base[r.batch]:
-            r.speedup = r.tok_s / base[r.batch]
+        b = base.get((baseline_arm(r.arm, arms), r.batch))
+        if b and r.arm != baseline_arm(r.arm, arms):
+            r.speedup = r.tok_s / b
 
 
 def markdown(rows: list[Row], meta: dict) -> str:
@@ -252,15 +269,20 @@ def markdown(rows: list[Row], meta: dict) -> str:
                    f"{r.tok_s_max:.1f}) | {sp} | {r.step_ms:.1f} ({r.step_ms_min:.1f}-"
                    f"{r.step_ms_max:.1f}) | {acc} | {r.tokens_per_step:.2f} | "
                    f"{r.verify_tokens_per_step:.1f} |")
-    base = {r.batch: r.step_ms for r in rows if r.arm == "nospec"}
-    out += ["", "Step cost relative to a plain step (ms/step over nospec's, same batch):", "",
-            "| arm | K | " + " | ".join(f"batch {b}" for b in sorted(base)) + " |",
-            "|---|---|" + "---|" * len(base)]
-    for name, k in dict.fromkeys((r.arm, r.K) for r in rows if r.arm != "nospec"):
+    arms = {r.arm for r in rows}
+    base = {(r.arm, r.batch): r.step_ms for r in rows}
+    batches = sorted({r.batch for r in rows})
+    out += ["", "Step cost relative to a plain step (ms/step over the plain arm's, same batch and "
+            "dtype):", "",
+            "| arm | K | " + " | ".join(f"batch {b}" for b in batches) + " |",
+            "|---|---|" + "---|" * len(batches)]
+    for name, k in dict.fromkeys((r.arm, r.K) for r in rows
+                                 if r.arm != baseline_arm(r.arm, arms)):
         cells = []
-        for b in sorted(base):
+        for b in batches:
             m = [r for r in rows if r.arm == name and r.K == k and r.batch == b]
-            cells.append(f"{m[0].step_ms / base[b]:.2f}x" if m else "-")
+            ref = base.get((baseline_arm(name, arms), b))
+            cells.append(f"{m[0].step_ms / ref:.2f}x" if m and ref else "-")
         out.append(f"| {name} | {k or '-'} | " + " | ".join(cells) + " |")
     bd = [r for r in rows if r.breakdown_ms]
     if bd:

@@ -57,6 +57,28 @@ def spec_bench_questions() -> list[dict]:
     return [json.loads(line) for line in SPEC_BENCH.read_text().splitlines() if line.strip()]
 
 
+@pytest.fixture(scope="session")
+def greedy_reference(smollm2_path) -> dict[str, list[int]]:
+    """The HF target's own greedy answers to test_online.PROMPTS (float32): what every learning
+    engine's output must equal, token for token. One per session: several modules compare."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from test_online import MAX_TOKENS, PROMPTS
+
+    tok = AutoTokenizer.from_pretrained(smollm2_path)
+    hf = AutoModelForCausalLM.from_pretrained(smollm2_path, dtype=torch.float32).eval()
+    ref = {}
+    for p in PROMPTS:
+        ids = tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True,
+                                      return_tensors="pt", return_dict=True)["input_ids"]
+        with torch.no_grad():
+            out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=MAX_TOKENS,
+                              do_sample=False)
+        ref[p] = out[0, ids.shape[1]:].tolist()
+    return ref
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

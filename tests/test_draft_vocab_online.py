@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from test_online import (PROMPTS, assert_lossless, greedy_reference, make_llm,  # noqa: F401
+from test_online import (PROMPTS, assert_lossless, make_llm,
                          run_pass, wait_learned)
 from test_worker_parity import make_drafter
 
@@ -15,7 +15,7 @@ pytestmark = pytest.mark.vllm
 
 
 @pytest.fixture(scope="module")
-def served(smollm2_path, tmp_path_factory, greedy_reference):  # noqa: F811
+def served(smollm2_path, tmp_path_factory, greedy_reference):
     from vllm_onlinespec.drafter import (DraftVocab, load_draft_vocab, load_drafter,
                                          save_drafter)
     from vllm_onlinespec.training.trainer import load_target
@@ -38,7 +38,7 @@ def served(smollm2_path, tmp_path_factory, greedy_reference):  # noqa: F811
     return {"passes": passes, "stats": st, "vocab": vocab, "ckpt": tmp / "ckpt"}
 
 
-def test_reduced_vocabulary_learns_losslessly(served, greedy_reference):  # noqa: F811
+def test_reduced_vocabulary_learns_losslessly(served, greedy_reference):
     for outs, _ in served["passes"]:
         assert_lossless(outs, greedy_reference)
     st = served["stats"]

@@ -1,13 +1,13 @@
 """The README's recipe inside vLLM (CPU, float32): learning on, the budget verify policy, the
 suffix tree as lookup source and vLLM's K twice the drafter's block. The learner trains the
 drafter's own positions while tree drafts run longer; output stays the target's across
-publishes, no hook fails, and the drafter sits out steps the tree drafts entirely."""
+publishes, no hook fails, and the drafter sits some steps out."""
 
 from __future__ import annotations
 
 import pytest
 
-from test_online import (MAX_TOKENS, PROMPTS, assert_lossless, greedy_reference,  # noqa: F401
+from test_online import (MAX_TOKENS, PROMPTS, assert_lossless,
                          online_cfg, run_pass, wait_learned)
 from test_worker_parity import K, make_drafter
 
@@ -15,7 +15,7 @@ pytestmark = pytest.mark.vllm
 
 
 @pytest.fixture(scope="module")
-def served(smollm2_path, tmp_path_factory, greedy_reference):  # noqa: F811
+def served(smollm2_path, tmp_path_factory, greedy_reference):
     from vllm import LLM, SamplingParams
 
     from vllm_onlinespec.engine import engine_kwargs
@@ -44,7 +44,7 @@ def served(smollm2_path, tmp_path_factory, greedy_reference):  # noqa: F811
     return {"passes": passes, "stats": st, "again": again}
 
 
-def test_recipe_learns_losslessly_with_tree_drafts_past_the_block(served, greedy_reference):  # noqa: F811
+def test_recipe_learns_losslessly_with_tree_drafts_past_the_block(served, greedy_reference):
     for outs, _ in served["passes"]:
         assert_lossless(outs, greedy_reference)
     assert list(served["again"][0].outputs[0].token_ids) == greedy_reference[PROMPTS[0]]
@@ -52,5 +52,7 @@ def test_recipe_learns_losslessly_with_tree_drafts_past_the_block(served, greedy
     assert st.hook_errors == 0, st.hooks
     assert st.learner.updates > 0 and st.learner.errors == 0 and st.published_version > 0, st
     assert st.lookup_rows > 0 and st.lookup_accepted > 0, st
-    # repeated prompts: the tree drafts every request of some steps, the drafter sits them out
-    assert st.lookup_skipped_steps > 0, st
+    # Repeated prompts: the drafter sits some steps out, where the tree drafts every request or
+    # where the budget's gate found its drafts not worth their price (which of the two depends on
+    # the box's step timings; test_suffix_tree_vllm.py pins the tree's skip alone).
+    assert st.lookup_skipped_steps + st.cutter.gate_shut_steps > 0, st

@@ -10,7 +10,6 @@ newest complete checkpoint.
 import time
 
 import pytest
-import torch
 
 from test_worker_parity import make_drafter
 
@@ -99,23 +98,6 @@ def session(paths):
               f"{time.time() - t1:.1f} s, version {st.published_version}, "
               f"loss {st.learner.last_loss:.3f}, update {st.learner.update_ms:.0f} ms")
     yield {"llm": llm, "passes": passes, "stats": stats(llm)}
-
-
-@pytest.fixture(scope="module")
-def greedy_reference(smollm2_path):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(smollm2_path)
-    hf = AutoModelForCausalLM.from_pretrained(smollm2_path, dtype=torch.float32).eval()
-    ref = {}
-    for p in PROMPTS:
-        ids = tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True,
-                                      return_tensors="pt", return_dict=True)["input_ids"]
-        with torch.no_grad():
-            out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=MAX_TOKENS,
-                              do_sample=False)
-        ref[p] = out[0, ids.shape[1]:].tolist()
-    return ref
 
 
 def assert_lossless(outs, ref):

@@ -57,6 +57,7 @@ def test_engine_args_hook_sets_ld_preload_for_our_speculative_engines(monkeypatc
     if not openmp.is_x86() or openmp.find_libiomp() is None:
         pytest.skip("needs x86 and the venv's libiomp5.so")
     monkeypatch.setenv("LD_PRELOAD", "")
+    monkeypatch.delenv(openmp.BLOCKTIME_ENV, raising=False)
     monkeypatch.setattr(patches, "_logged", set())
     assert not vllm_config.ours_requested(EngineArgs(model="x"))
     args = EngineArgs(model="x", additional_config={"onlinespec": {}})
@@ -65,7 +66,27 @@ def test_engine_args_hook_sets_ld_preload_for_our_speculative_engines(monkeypatc
         patches.preload_intel_openmp()
         patches.preload_intel_openmp()
     assert os.environ["LD_PRELOAD"].count("libiomp5.so") == 1
+    # the engine core and API server, which load it too, do not spin its threads
+    assert os.environ[openmp.BLOCKTIME_ENV] == "0"
     # One record (a handler may see it twice when vLLM's handlers also reach caplog's).
     lines = list({id(r): r.getMessage() for r in caplog.records
                   if "Intel OpenMP" in r.getMessage()}.values())
     assert len(lines) == 1 and " on: " in lines[0], lines
+
+
+def test_a_users_blocktime_is_kept(monkeypatch):
+    if not openmp.is_x86() or openmp.find_libiomp() is None:
+        pytest.skip("needs x86 and the venv's libiomp5.so")
+    monkeypatch.setenv("LD_PRELOAD", "")
+    monkeypatch.setenv(openmp.BLOCKTIME_ENV, "7")
+    monkeypatch.delenv(openmp.OPT_OUT_ENV, raising=False)
+    assert openmp.apply_for_speculative_engine().on
+    assert os.environ[openmp.BLOCKTIME_ENV] == "7"
+
+
+def test_no_blocktime_without_the_preload(monkeypatch):
+    monkeypatch.setenv("LD_PRELOAD", "")
+    monkeypatch.delenv(openmp.BLOCKTIME_ENV, raising=False)
+    monkeypatch.setenv(openmp.OPT_OUT_ENV, "0")
+    assert not openmp.apply_for_speculative_engine().on
+    assert openmp.BLOCKTIME_ENV not in os.environ

@@ -1,5 +1,5 @@
 """The trained default drafter that ships inside the package: present, small, documented, and
-lossless when vLLM serves it (float32 greedy output equals no speculation, token for token)."""
+lossless when vLLM serves it (float32 greedy output equals the target's own, token for token)."""
 
 from __future__ import annotations
 
@@ -61,25 +61,26 @@ PROMPTS = ["Give me three tips for a good night's sleep.", "Write a Python funct
 
 @pytest.mark.vllm
 def test_shipped_drafter_is_lossless_in_vllm_fp32(smollm2_path):
+    from transformers import AutoModelForCausalLM
     from vllm import LLM, SamplingParams
 
+    from test_worker_parity import assert_greedy_equal
     from vllm_onlinespec.engine import engine_kwargs
 
     drafter = str(models.shipped_drafter("smollm2-135m"))
     k = load_drafter(drafter)[0].num_draft_tokens
-    params = SamplingParams(temperature=0.0, max_tokens=48)
     msgs = [[{"role": "user", "content": p}] for p in PROMPTS]
-    outs = {}
-    for arm, spec in (("nospec", None), ("dflash", {"method": "dflash", "model": drafter,
-                                                    "num_speculative_tokens": k})):
-        kw = engine_kwargs(max_model_len=1024)
-        if spec:
-            kw["speculative_config"] = spec
-        llm = LLM(model=smollm2_path, dtype="float32", disable_log_stats=False, **kw)
-        outs[arm] = [list(o.outputs[0].token_ids) for o in llm.chat(msgs, params, use_tqdm=False)]
-        if spec:
-            found = {m.name: m.value for m in llm.get_metrics() if hasattr(m, "value")}
-            outs["accepted"] = found.get("vllm:spec_decode_num_accepted_tokens", 0)
+    llm = LLM(model=smollm2_path, dtype="float32", disable_log_stats=False,
+              **engine_kwargs(max_model_len=1024),
+              speculative_config={"method": "dflash", "model": drafter,
+                                  "num_speculative_tokens": k})
+    try:
+        outs = llm.chat(msgs, SamplingParams(temperature=0.0, max_tokens=48), use_tqdm=False)
+        found = {m.name: m.value for m in llm.get_metrics() if hasattr(m, "value")}
+    finally:
         llm.llm_engine.engine_core.shutdown()
-    assert outs["dflash"] == outs["nospec"]
-    assert outs["accepted"] > 0  # the drafter drafts something the target accepts
+    # The target's own greedy continuation (HF, float32), as test_worker_parity compares.
+    hf = AutoModelForCausalLM.from_pretrained(smollm2_path, dtype=torch.float32).eval()
+    assert_greedy_equal(outs, hf, 48)
+    # the drafter drafts something the target accepts
+    assert found.get("vllm:spec_decode_num_accepted_tokens", 0) > 0

@@ -8,6 +8,14 @@ builds the engine config, where this plugin's config hook runs. vLLM's CPU platf
 same call, preloads torch's libgomp unless LD_PRELOAD already names an OpenMP runtime
 (platforms/cpu.py:442); setting libiomp5 first makes it skip libgomp, so one runtime loads.
 
+LD_PRELOAD reaches every process vLLM spawns, not only the workers: the engine core and the API
+server load libiomp5 too, and Intel's runtime keeps its threads spinning 200 ms after each
+parallel region by default (KMP_BLOCKTIME). vLLM sets 5 ms for its workers only
+(utils/ompmultiprocessing.py:89); the other processes share the box's cores with the worker's
+forward. Under `vllm serve` on a 2-vCPU box a K = 0 step served 0.85x plain decoding with the
+default, 0.92x with KMP_BLOCKTIME=0 and 0.91x without libiomp5 (docs/results/k0_served.md), so
+the preload comes with KMP_BLOCKTIME=0 unless the user set one; the workers keep vLLM's 5 ms.
+
 The decision is a pure function so that it is tested without an engine.
 """
 
@@ -21,6 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 OPT_OUT_ENV = "VLLM_ONLINESPEC_IOMP"  # "0" keeps LD_PRELOAD as it is
+BLOCKTIME_ENV = "KMP_BLOCKTIME"
 _OPENMP_RUNTIMES = ("libiomp", "libgomp", "libomp")
 
 
@@ -74,4 +83,7 @@ def apply_for_speculative_engine() -> PreloadDecision:
                opt_out=os.environ.get(OPT_OUT_ENV, "1") == "0")
     if d.on and d.ld_preload != os.environ.get("LD_PRELOAD", ""):
         os.environ["LD_PRELOAD"] = d.ld_preload
+    if d.on:
+        # Spawned processes sleep their OpenMP threads at once (module docstring says why).
+        os.environ.setdefault(BLOCKTIME_ENV, "0")
     return d
