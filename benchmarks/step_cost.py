@@ -7,8 +7,9 @@ Arms (each one engine in its own subprocess, one engine at a time, in this order
     nospec, nospec+iomp, ngram K, vLLM's plain DFlash worker K, frozen K (this project's worker,
     learning off, fixed policy), frozen K without Intel OpenMP, online K (learning on, with and
     without re-packing), budget K (learning off, the budget policy with its step gate), oracle K
-    at tau = K + 1 (every draft accepted; benchmark-only, output NOT the target's)
-for K in --ks. Each engine serves batches of --batches requests (greedy, `ignore_eos`,
+    at tau = K + 1 (every draft accepted; benchmark-only, output NOT the target's), the K = 0
+    floor (k0, k0-forward; in float32 k0-fp32, k0-fp32-no-iomp, k0-recipe-fp32)
+for K in --ks; float32 arms are compared with nospec-fp32 where it ran. Each engine serves batches of --batches requests (greedy, `ignore_eos`,
 --max-tokens each, the same Spec-Bench prompts in every arm), --repeats times per batch size,
 and reports per (arm, batch): output tok/s and ms per engine step (median, min-max over the
 repeats), accept length (vLLM's counters), verify tokens per step. Our worker's arms add a
