@@ -9,8 +9,9 @@ Arms (each one engine in its own subprocess, one engine at a time, in this order
     without re-packing), budget K (learning off, the budget policy with its step gate), oracle K
     at tau = K + 1 (every draft accepted; benchmark-only, output NOT the target's), the K = 0
     floor (k0, k0-forward; in float32 k0-fp32, k0-fp32-no-iomp, k0-recipe-fp32)
-for K in --ks; float32 arms are compared with nospec-fp32 where it ran. Each engine serves batches of --batches requests (greedy, `ignore_eos`,
---max-tokens each, the same Spec-Bench prompts in every arm), --repeats times per batch size,
+for K in --ks; float32 arms are compared with nospec-fp32 where it ran. Each engine serves
+batches of --batches requests (greedy, `ignore_eos`, --max-tokens each, the same Spec-Bench
+prompts in every arm), --repeats times per batch size,
 and reports per (arm, batch): output tok/s and ms per engine step (median, min-max over the
 repeats), accept length (vLLM's counters), verify tokens per step. Our worker's arms add a
 breakdown of the step (serving/step_profile.py: target forward, sampler, drafter, our hooks,
@@ -86,7 +87,7 @@ def arms_for(ks: list[int], drafter: str) -> list[ArmConf]:
     worker, no Intel OpenMP, learning on with and without re-packing)."""
     frozen = {"enabled": False, "length_head": {"policy": "fixed"}}
     online = {"length_head": {"policy": "fixed"}}
-    k0 = {"enabled": False, "features": {"plain": True}}
+    k0 = {"enabled": False, "features": {"plain": True}}  # every step drafts nothing
     out = [ArmConf("nospec", "none"), ArmConf("nospec+iomp", "none", iomp="on"),
            ArmConf("nospec-fp32", "none", dtype="float32")]
     for i, k in enumerate(ks):
@@ -104,10 +105,9 @@ def arms_for(ks: list[int], drafter: str) -> list[ArmConf]:
                         "enabled": False, "length_head": {"policy": "budget", "k_min": 0}}),
                     # the floor: every step drafts nothing (context K/V only), and the same
                     # with vLLM's own K = 0 drafter forward
-                    ArmConf("k0", "ours", k, online={"enabled": False, "features": {"plain": True}}),
-                    ArmConf("k0-forward", "ours", k, online={
-                        "enabled": False, "features": {"plain": True},
-                        "length_head": {"k0_step": "forward"}}),
+                    ArmConf("k0", "ours", k, online=k0),
+                    ArmConf("k0-forward", "ours", k,
+                            online={**k0, "length_head": {"k0_step": "forward"}}),
                     # the floor in float32 (boxes without AVX512-BF16 serve float32), with and
                     # without Intel OpenMP, and as `bench-serve`'s k0 arm runs it (the cpu
                     # preset's budget and suffix-tree lookup configured, K = 16)
