@@ -6,7 +6,7 @@ CLI    := $(VENV)/bin/vllm-onlinespec
 STAMP  := $(VENV)/.setup-stamp
 export VLLM_ONLINESPEC_CACHE ?= $(HOME)/.cache/vllm-onlinespec
 
-.PHONY: setup model demo variant test test-fast bench clean
+.PHONY: setup model demo variant test test-fast lab-test clean
 setup: $(STAMP)
 
 $(STAMP): pyproject.toml Makefile
@@ -49,6 +49,10 @@ test: model
 
 test-fast: setup
 	$(PY) -m pytest -q -ra -m "not vllm" tests
+
+# The lab's own checks: the one-off research scripts beside the package (lab/) and their reports.
+lab-test: setup
+	$(PY) -m pytest -q -ra lab/tests
 
 clean:
 	rm -rf $(VENV) build *.egg-info

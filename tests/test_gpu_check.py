@@ -1,4 +1,4 @@
-"""benchmarks/gpu_check.sh cannot rot: its CPU smoke mode runs the same four checks on tiny
+"""lab/gpu_check.sh cannot rot: its CPU smoke mode runs the same four checks on tiny
 shapes (kernel tests, loss benchmark, one learner update + publish, the feedback copy), and
 nothing it imports may import vLLM."""
 
@@ -15,7 +15,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 def test_gpu_check_smoke_runs_on_cpu(tmp_path):
     env = dict(os.environ, PYTHON=sys.executable)
-    r = subprocess.run(["bash", str(REPO / "benchmarks" / "gpu_check.sh"), "--smoke", "--out",
+    r = subprocess.run(["bash", str(REPO / "lab" / "gpu_check.sh"), "--smoke", "--out",
                         str(tmp_path)], cwd=tmp_path, env=env, capture_output=True, text=True,
                        timeout=300)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
@@ -37,7 +37,7 @@ def test_gpu_check_smoke_runs_on_cpu(tmp_path):
 def test_gpu_check_refuses_vllm_imports():
     code = ("import runpy, sys; runpy.run_path(sys.argv[1], run_name='x')\n"
             "try:\n    import vllm\nexcept ImportError as e:\n    print('blocked', e)\n")
-    r = subprocess.run([sys.executable, "-c", code, str(REPO / "benchmarks" / "gpu_check.py")],
+    r = subprocess.run([sys.executable, "-c", code, str(REPO / "lab" / "gpu_check.py")],
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 0 and "blocked" in r.stdout, r.stderr
 
@@ -46,7 +46,7 @@ def test_gpu_check_smoke_writes_outside_the_results_folder(tmp_path):
     """A smoke run's figures are not measurements: without --out they go to a new temporary
     folder, never over docs/results/gpu.{json,md} where a device run's results belong."""
     before = {p: p.stat().st_mtime for p in (REPO / "docs" / "results").glob("gpu.*")}
-    r = subprocess.run([sys.executable, str(REPO / "benchmarks" / "gpu_check.py"), "--smoke",
+    r = subprocess.run([sys.executable, str(REPO / "lab" / "gpu_check.py"), "--smoke",
                         "--skip", "kernels,loss,learner,feedback"], cwd=tmp_path,
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]

@@ -5,7 +5,7 @@ defect came from, on the CPU.
              replay into: the feedback must hold the values of the target's forward
   engine     eager mode and the CPU's context/KV sizing apply on CPU only
   publish    republishing into vLLM's DFlash drafter never asks the hub for mask_embedding.pt
-  imports    what benchmarks/gpu_check.sh imports works without pydantic (the device image)
+  imports    what lab/gpu_check.sh imports works without pydantic (the device image)
 """
 
 from __future__ import annotations
@@ -290,7 +290,7 @@ def _python(code: str, *args: str) -> subprocess.CompletedProcess:
 def test_gpu_check_modules_import_without_pydantic():
     code = _BLOCK + """
 import importlib, runpy
-gc = runpy.run_path("benchmarks/gpu_check.py", run_name="gpu_check_imports")
+gc = runpy.run_path("lab/gpu_check.py", run_name="gpu_check_imports")
 for m in gc["CHECKED_MODULES"]:
     importlib.import_module(m)
 from vllm_onlinespec import config
@@ -314,7 +314,7 @@ def test_gpu_check_step0_names_the_failing_import(tmp_path):
     code = f"""
 import runpy, sys
 sys.path.insert(0, {str(tmp_path)!r})
-gc = runpy.run_path("benchmarks/gpu_check.py", run_name="gpu_check_imports")
+gc = runpy.run_path("lab/gpu_check.py", run_name="gpu_check_imports")
 gc["check_imports"].__globals__["CHECKED_MODULES"] = ("vllm_onlinespec.drafter", "needs_pydantic")
 sys.exit(gc["check_imports"]())
 """

@@ -1,6 +1,6 @@
 """The few pieces of pydantic (and annotated_types) that config.py uses, for where pydantic is
 absent: the GPU device image (Python 3.12, torch, Triton, transformers; no vLLM, no pydantic,
-nothing fetched there), on which benchmarks/gpu_check.sh builds the learner and its loss.
+nothing fetched there), on which lab/gpu_check.sh builds the learner and its loss.
 
 config.py imports pydantic when it can and this module only when it cannot, so every install
 (pydantic is a vLLM dependency) keeps pydantic's full validation. Here: defaults and

@@ -23,7 +23,7 @@ try:
                           model_validator)
 
     PYDANTIC = True
-except ImportError:  # the GPU device image has no pydantic (benchmarks/gpu_check.sh)
+except ImportError:  # the GPU device image has no pydantic (lab/gpu_check.sh)
     from ._pydantic_lite import (BaseModel, ConfigDict, Field, ValidationError, at,  # type: ignore
                                  field_validator, model_validator)
 
@@ -77,7 +77,7 @@ class PublishConfig(_Section):
         "behaviour and reserves the key): 'tolerate' keeps it (output stays lossless; those requests draft against "
         "context K/V of older weights until they finish). The only policy so far: re-projecting "
         "a running request's cache needs every past position's target features, which vLLM does "
-        "not keep; what tolerating costs is measured by benchmarks/stale_kv.py")
+        "not keep; what tolerating costs is measured by lab/stale_kv.py")
 
 
     repack: bool = Field(

@@ -6,7 +6,7 @@ ngram_proposer.py): the longest n in [min_n, max_n] whose last n tokens occur ea
 earliest such occurrence, and the <= k tokens after it. `choose_drafts` is the hybrid rule that
 serving applies after the drafter has run: a request whose lookup proposal is long enough
 verifies it instead of the drafter's block; every other request keeps the drafter's (cut) block.
-Measured offline on held-out greedy answers (benchmarks/hybrid_ceiling.py): 2.29 tokens per
+Measured offline on held-out greedy answers (lab/hybrid_ceiling.py): 2.29 tokens per
 verify step against 1.44 for the drafter alone and 1.84 for lookup alone.
 """
 

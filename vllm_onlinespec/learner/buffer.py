@@ -105,7 +105,7 @@ def sequence_records(req_id: str, ids: torch.Tensor, start: int, aux: torch.Tens
     """A whole answered sequence as the feedback serving would have pushed for it at K draft
     tokens per step: its prompt (ids[:start]) as one prefill record, then verify steps of K + 1
     committed tokens (nothing accepted: which drafts were right does not change the labels).
-    For offline replays of the online learner (benchmarks/)."""
+    For offline replays of the online learner (lab/)."""
     out = [FeedbackRecord(req_id, ids[:start], 0, aux[:start],
                           None if final is None else final[:start], prompt_len=start)]
     for s in range(start, len(ids), k + 1):

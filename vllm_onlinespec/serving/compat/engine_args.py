@@ -3,7 +3,7 @@ builds its config (EngineArgs.create_engine_config, arg_utils.py:2205), so a use
 either gets a working engine or one line naming the flag, before any process is spawned.
 
     runner       V1 model runner: Model Runner V2 (vLLM 0.32's GPU default for dense models,
-                 config/vllm.py:703) has none of the hooks we use (docs/design/mrv2_and_fleet.md)
+                 config/vllm.py:703) has none of the hooks we use (lab/design/mrv2_and_fleet.md)
     scheduling   no async scheduling: with it the host-side input ids of a step are placeholders
                  and take_draft_token_ids is skipped, so feedback would carry wrong labels and
                  the verify policy would never cut (the CPU platform turns it off itself)
@@ -33,7 +33,7 @@ def prepare(engine_args: Any) -> list[str]:
     if v2 is not None and v2.strip().lower() in _TRUE:
         raise EngineArgsError(
             f"onlinespec: {V2_ENV}={v2} asks for Model Runner V2, which has no online-learning "
-            f"hooks yet (docs/design/mrv2_and_fleet.md); unset {V2_ENV} or set it to 0")
+            f"hooks yet (lab/design/mrv2_and_fleet.md); unset {V2_ENV} or set it to 0")
     if v2 is None:
         # Environment, not a config field: vLLM reads it in this process (VllmConfig) and every
         # worker process inherits it; vllm.envs caches nothing until the engine core starts.
