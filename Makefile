@@ -35,9 +35,10 @@ model: setup
 # variant served with the base model's drafter), two stream orders (~8 min on a 2-vCPU Zen 5;
 # `$(CLI) demo --quick`: a few; `--scenario domain`: the base model on an unseen domain).
 # It replaces an earlier demo's runs/demo (--force).
-SPEC_BENCH ?= ../shared/data/spec_bench/question.jsonl
+# SPEC_BENCH=path/to/question.jsonl (Spec-Bench's questions, optional) adds its categories.
+SPEC_BENCH ?=
 demo: model
-	$(CLI) demo --force $(if $(wildcard $(SPEC_BENCH)),--spec-bench $(SPEC_BENCH))
+	$(CLI) demo --force $(if $(SPEC_BENCH),--spec-bench $(SPEC_BENCH))
 
 # The changed target's LoRA adapter (terse numbered steps), rebuilt from scratch: self-written
 # prompts, the base model's answers, restyled, LoRA-trained (~30 min on a 2-vCPU Zen 5).

@@ -15,7 +15,7 @@
 # About 50 min on the 2-core CPU box. Run it alone: a second engine corrupts the timings.
 set -euo pipefail
 ROOT="$(cd "$(dirname "$0")/.." && pwd)"
-SPEC_BENCH=${1:-$ROOT/../shared/data/spec_bench/question.jsonl}
+SPEC_BENCH=${1:-${SPEC_BENCH:?set SPEC_BENCH to Spec-Bench question.jsonl}}
 OUT=${2:-$ROOT/runs/concurrency}
 shift $(( $# > 2 ? 2 : $# )) || true
 K_TABLE=${K_TABLE:-'[[1,4,1],[5,1024,0]]'}

@@ -24,7 +24,7 @@
 # ~12 min per scenario and seed on the 2-core CPU box (5 arms x 40 prompts x 96 tokens).
 set -euo pipefail
 ROOT="$(cd "$(dirname "$0")/.." && pwd)"
-SPEC_BENCH=${1:-$ROOT/../shared/data/spec_bench/question.jsonl}
+SPEC_BENCH=${1:-${SPEC_BENCH:?set SPEC_BENCH to Spec-Bench question.jsonl}}
 OUT=${2:-$ROOT/runs/domain_shift}
 shift $(( $# > 2 ? 2 : $# )) || true
 SCENARIOS=${*:-tune tune-learn shifted own aba}

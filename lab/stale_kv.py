@@ -17,7 +17,7 @@ The gap depends on how far the weights moved: compare the start drafter with the
 (the worst case) and two checkpoints a request's lifetime apart (what serving sees).
 
     python lab/stale_kv.py --start DRAFTER --learned runs/domain_shift/checkpoints/online-ogd \\
-        --spec-bench ../shared/data/spec_bench/question.jsonl --category math_reasoning \\
+        --spec-bench $SPEC_BENCH --category math_reasoning \\
         --exclude runs/domain_shift/stream.jsonl
 """
 

@@ -1,7 +1,7 @@
 """The price of one speculative step on this CPU, and the ceiling a perfect drafter reaches.
 
     flock /tmp/onlinespec-engine.lock .venv/bin/python lab/step_cost.py \
-        --spec-bench ../shared/data/spec_bench/question.jsonl --out runs/step_cost
+        --spec-bench $SPEC_BENCH --out runs/step_cost
 
 Arms (each one engine in its own subprocess, one engine at a time, in this order):
     nospec, nospec+iomp, ngram K, vLLM's plain DFlash worker K, frozen K (this project's worker,
@@ -443,7 +443,7 @@ def rows_from_disk(out: Path) -> tuple[list[Row], dict]:
                   "max_tokens": first["max_tokens"], "batches": first["batches"],
                   "repeats": first["repeats"], "wall_s": wall,
                   "command": "python lab/step_cost.py --spec-bench "
-                             "../shared/data/spec_bench/question.jsonl (stopped after the arms "
+                             "$SPEC_BENCH (stopped after the arms "
                              "listed; report rebuilt with --report)"}
 
 

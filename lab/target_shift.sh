@@ -25,7 +25,7 @@
 # ~12 min per scenario on the 2-core CPU box (in_domain ~9, cold_start ~8).
 set -euo pipefail
 ROOT="$(cd "$(dirname "$0")/.." && pwd)"
-SPEC_BENCH=${1:-$ROOT/../shared/data/spec_bench/question.jsonl}
+SPEC_BENCH=${1:-${SPEC_BENCH:?set SPEC_BENCH to Spec-Bench question.jsonl}}
 OUT=${2:-$ROOT/runs/target_shift}
 shift $(( $# > 2 ? 2 : $# )) || true
 SCENARIOS=${*:-finetuned swap in_domain cold_start}
