@@ -1,7 +1,10 @@
 """Swapping the target's weights in a running engine (serving/target_swap.py), learning on:
 float32 greedy output equals the base model's before the swap and the new model's after it;
 folders that do not fit fail in one line and the engine keeps serving the old weights; the
-learner follows (feedback from the old target dropped, no errors)."""
+learner follows (feedback from the old target dropped, no errors). Then the base policy comes
+back as pushed tensors (as RL frameworks push, no folder): bad pushes (unknown name, wrong
+shape, another vocabulary) fail in one line and change nothing, the good one serves the base's
+greedy output again."""
 
 import json
 import shutil
@@ -47,7 +50,7 @@ def bad_folder(src: str, dest, **change) -> str:
 def served(smollm2_path, variant, tmp_path_factory):
     from vllm import LLM, SamplingParams
 
-    from vllm_onlinespec import models, swap_target
+    from vllm_onlinespec import models, push_target, swap_target
     from vllm_onlinespec.engine import engine_kwargs
     from vllm_onlinespec.serving.stats import fetch
     from vllm_onlinespec.serving.target_swap import SwapError
@@ -71,6 +74,18 @@ def served(smollm2_path, variant, tmp_path_factory):
     out["after_failed"] = llm.chat(msgs, sp, use_tqdm=False)
     out["report"] = swap_target(llm, variant)
     out["after"] = llm.chat(msgs, sp, use_tqdm=False)
+    base = hf(smollm2_path).state_dict()
+    up = "model.layers.0.mlp.up_proj.weight"
+    out["push_errors"] = []
+    for bad in ({**base, "model.layers.99.mlp.up_proj.weight": base[up]},
+                {**base, up: base[up][:, :-1]},
+                {**base, "model.embed_tokens.weight": torch.zeros(32000, base[up].shape[1])}):
+        with pytest.raises(SwapError) as e:
+            push_target(llm, bad)
+        out["push_errors"].append(str(e.value))
+    out["after_bad_push"] = llm.chat(msgs, sp, use_tqdm=False)
+    out["push_report"] = push_target(llm, base)
+    out["after_push"] = llm.chat(msgs, sp, use_tqdm=False)
     out["stats"] = fetch(llm)
     llm.llm_engine.engine_core.shutdown()
     return out
@@ -106,6 +121,18 @@ def test_greedy_output_follows_the_swapped_weights_token_for_token(served, smoll
     assert served_ids(served["after"]) == var_ref
 
 
+def test_pushed_tensors_replace_the_weights_and_bad_pushes_change_nothing(served, smollm2_path,
+                                                                         variant):
+    base_ref = greedy_ids(hf(smollm2_path), served["after_push"])
+    assert served_ids(served["after_bad_push"]) == greedy_ids(hf(variant), served["after_bad_push"])
+    assert served_ids(served["after_push"]) == base_ref
+    unknown, shape, vocab = served["push_errors"]
+    assert all("\n" not in e for e in served["push_errors"])
+    assert "model.layers.99.mlp.up_proj.weight is not a weight" in unknown
+    assert "has shape" in shape and "model.layers.0.mlp.up_proj.weight" in shape
+    assert "another vocabulary" in vocab and "49152" in vocab
+
+
 def test_bad_folders_fail_in_one_line(served):
     missing, vocab, arch = served["errors"]
     assert all("\n" not in e for e in served["errors"])
@@ -116,7 +143,8 @@ def test_bad_folders_fail_in_one_line(served):
 
 def test_the_learner_follows_the_swap(served):
     st = served["stats"]
-    assert st.target_swaps == 1 and served["report"]["swaps"] == 1
+    assert served["report"]["swaps"] == 1
+    assert st.target_swaps == 2 and served["push_report"]["swaps"] == 2
     assert served["report"]["dropped_tokens"] >= 0
     assert st.hook_errors == 0, st.hooks
     assert st.learner is not None and st.learner.errors == 0, st.learner.last_error

@@ -7,7 +7,7 @@
 import os as _os
 
 __version__ = "0.1.0"
-__all__ = ["SpecDecodeWorker", "swap_target", "__version__"]
+__all__ = ["SpecDecodeWorker", "push_target", "swap_target", "__version__"]
 
 # `vllm_onlinespec.kernels` is the checkout's top-level kernels/ (pyproject's package-dir maps it
 # at install time). Run from a source checkout (PYTHONPATH=<repo>, no install: the GPU machine,
@@ -29,8 +29,8 @@ def __getattr__(name: str):
         from vllm_onlinespec.serving.worker import SpecDecodeWorker
 
         return SpecDecodeWorker
-    if name == "swap_target":
-        from vllm_onlinespec.serving.target_swap import swap_target
+    if name in ("swap_target", "push_target"):
+        from vllm_onlinespec.serving import target_swap
 
-        return swap_target
+        return getattr(target_swap, name)
     raise AttributeError(f"module 'vllm_onlinespec' has no attribute {name!r}")

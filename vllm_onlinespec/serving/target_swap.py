@@ -19,6 +19,18 @@ worker wraps it (`onlinespec_swap_target`) so that the online learner follows th
 Output stays lossless across the swap: every token is verified by the target as it is at that
 step (test: float32 greedy equality against the matching HF model before and after).
 
+RL frameworks also push the new policy's tensors without a folder (a worker call with the
+weights, vLLM's `reload_weights(weights_iterator=...)`):
+
+    from vllm_onlinespec import push_target
+    push_target(llm, policy.state_dict())           # HF checkpoint names, every weight
+
+A push is checked like a folder first: every name must be one of the served architecture's
+checkpoint weights, every shape the served one (another vocabulary is named as such), and no
+weight may be missing (vLLM's in-place reload rebuilds each layer from what it is given);
+anything else is one line and the engine keeps serving the old weights. The learner follows a
+push exactly as it follows a folder swap.
+
 With `vllm serve`, start the server with VLLM_SERVER_DEV_MODE=1 and POST
 {"method": "onlinespec_swap_target", "args": ["/path"]} to /collective_rpc.
 """
@@ -26,11 +38,12 @@ With `vllm serve`, start the server with VLLM_SERVER_DEV_MODE=1 and POST
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import logging
 import time
 from pathlib import Path
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Iterable, Mapping
 
 logger = logging.getLogger("vllm_onlinespec")
 
@@ -74,6 +87,71 @@ def swap_target(llm: Any, folder: str | Path) -> dict:
 
     check_swap(compat.served_hf_config(llm.llm_engine.vllm_config), folder)
     return llm.collective_rpc("onlinespec_swap_target", args=(str(folder),))[0]
+
+
+@functools.lru_cache(maxsize=4)
+def _checkpoint_shapes(hf_config_json: str) -> tuple[dict[str, tuple[int, ...]], frozenset[str]]:
+    """HF checkpoint weight names -> shapes of the architecture `hf_config_json` describes
+    (built on the meta device: no memory), and the names a checkpoint may leave out (a tied
+    LM head)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    data = json.loads(hf_config_json)
+    cfg = AutoConfig.for_model(**data)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(cfg)
+    shapes = {n: tuple(t.shape) for n, t in model.state_dict().items()}
+    optional = frozenset({"lm_head.weight"} if getattr(cfg, "tie_word_embeddings", False) else ())
+    return shapes, optional
+
+
+def check_push(current: Mapping[str, Any],
+               weights: Mapping[str, Any] | Iterable[tuple[str, Any]]) -> list[tuple[str, Any]]:
+    """`weights` as (name, tensor) pairs if they can replace every weight of a model whose HF
+    config is `current` (a dict), else SwapError with one line naming the first problem."""
+    import torch
+
+    items = list(weights.items() if isinstance(weights, Mapping) else weights)
+    if not items:
+        raise SwapError("pushed weights are empty: a push replaces every weight of the target")
+    shapes, optional = _checkpoint_shapes(json.dumps(dict(current), sort_keys=True, default=str))
+    vocab = current.get("vocab_size")
+    seen = set()
+    for item in items:
+        if not (isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], str)):
+            raise SwapError(f"pushed weights must be (name, tensor) pairs (got {type(item).__name__})")
+        name, t = item
+        if not isinstance(t, torch.Tensor) or not t.is_floating_point():
+            raise SwapError(f"pushed {name} is not a floating-point tensor "
+                            f"({getattr(t, 'dtype', type(t).__name__)})")
+        if name not in shapes:
+            raise SwapError(f"pushed {name} is not a weight of the served "
+                            f"{'/'.join(current.get('architectures') or [current.get('model_type', 'model')])}")
+        want = shapes[name]
+        if tuple(t.shape) != want:
+            if len(want) == 2 and want[0] == vocab and t.dim() == 2 and t.shape[0] != vocab:
+                raise SwapError(f"pushed {name} has {t.shape[0]} rows: another vocabulary "
+                                f"(the served model has vocab_size = {vocab})")
+            raise SwapError(f"pushed {name} has shape {tuple(t.shape)}; the served model's is {want}")
+        seen.add(name)
+    missing = sorted(set(shapes) - optional - seen)
+    if missing:
+        raise SwapError(f"push misses {len(missing)} of the served model's {len(shapes)} weights "
+                        f"(first: {missing[0]}): a push replaces every weight")
+    return items
+
+
+def push_target(llm: Any, weights: Mapping[str, Any] | Iterable[tuple[str, Any]]) -> dict:
+    """Replace the target's weights of a running `LLM` (onlinespec worker) by `weights`, HF
+    checkpoint names to tensors (a policy's `state_dict()`), through vLLM's in-place reload.
+    Checked here first: a push that does not fit raises SwapError in the caller with its one
+    line, and nothing is sent. Returns the first worker's report, as swap_target does."""
+    from vllm_onlinespec.serving import compat
+
+    items = check_push(compat.served_hf_config(llm.llm_engine.vllm_config), weights)
+    payload = {n: t.detach().to("cpu").contiguous() for n, t in items}
+    return llm.collective_rpc("onlinespec_push_target", args=(payload,))[0]
 
 
 def follow_swap(session: Any, runner: Any, reload: Callable[[], None]) -> dict:

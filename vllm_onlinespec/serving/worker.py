@@ -86,6 +86,21 @@ class SpecDecodeWorker(_Base):  # type: ignore[misc, valid-type]
             return {"seconds": None, "dropped_tokens": 0, "swaps": None}
         return session.swap_target(runner, reload)
 
+    def onlinespec_push_target(self, weights: dict) -> dict:
+        """Replace the target's weights by `weights` (HF checkpoint names to tensors, every
+        weight) in place through vLLM's reload_weights, with the learner following. A push that
+        does not fit is one line and nothing changes (serving/target_swap.check_push)."""
+        from vllm_onlinespec.serving.target_swap import check_push
+
+        items = check_push(compat.served_hf_config(self.vllm_config), weights)
+        runner = getattr(self, "model_runner", None)
+        session = getattr(runner, "_onlinespec", None)
+        reload = lambda: self.reload_weights(weights_iterator=iter(items))  # noqa: E731
+        if session is None:
+            reload()
+            return {"seconds": None, "dropped_tokens": 0, "swaps": None}
+        return session.swap_target(runner, reload)
+
     def shutdown(self) -> None:
         runner = getattr(self, "model_runner", None)
         if runner is not None and hasattr(runner, "shutdown_onlinespec"):
