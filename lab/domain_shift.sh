@@ -43,16 +43,17 @@ mkdir -p "$OUT"
 $PY "$ROOT/lab/shift_streams.py" --spec-bench "$SPEC_BENCH" \
   --heldout "$DRAFTER/heldout_prompts.jsonl" --out "$OUT/streams" --seeds "$SEEDS"
 
-# The recipe plus the lr and a learn variant's keys (its own "lr" wins; ensemble_lrs bracket the
-# final lr), as one --online JSON:  online [LR [VARIANT_NAME]]
+# The recipe plus the lr and a learn variant's keys (its own update.lr wins; update.ensemble_lrs
+# bracket the final lr), as one --online JSON:  online [LR [VARIANT_NAME]]
 online() { $PY -c "import json, sys; r = json.loads(sys.argv[1]); a = sys.argv[2:]
 def merge(base, over):  # sections merge key by key: a variant's length_head keeps the recipe's policy
     for k, v in over.items():
         base[k] = merge(dict(base[k]), v) if isinstance(v, dict) and isinstance(base.get(k), dict) else v
     return base
-if a: r['lr'] = float(a[0])
+if a: r = merge(r, {'update': {'lr': float(a[0])}})
 if len(a) > 1: r = merge(r, json.loads(a[1]))
-if 'lr' in r: r['ensemble_lrs'] = [x * r['lr'] for x in (0.3, 1, 3)]
+u = r.get('update', {})
+if 'lr' in u: u['ensemble_lrs'] = [x * u['lr'] for x in (0.3, 1, 3)]
 print(json.dumps(r))" "$RECIPE" "${@:1:1}" ${2:+"$($PY "$REPORT" --run "$OUT" --learn-json "$2")"}; }
 tuned_lr() { echo "${LR:-$($PY "$REPORT" --run "$OUT" --best-lr)}"; }
 tuned_learn() { echo "${LEARN:-$($PY "$REPORT" --run "$OUT" --best-learn 2>/dev/null || echo defaults)}"; }

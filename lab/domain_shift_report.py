@@ -29,8 +29,8 @@ SCENARIOS = {"shifted": "math word problems the drafter never saw (reported stre
              "tune": "the tuning stream (other math word problems): where lr was chosen"}
 
 
-# How the learner uses its data (sample efficiency), chosen on the tune stream. Keys
-# are onlinespec config keys laid over the recipe and the lr; "lr" here overrides the tuned one.
+# How the learner uses its data (sample efficiency), chosen on the tune stream. Keys are
+# onlinespec config keys laid over the recipe and the lr; update.lr here overrides the tuned one.
 LEARN_VARIANTS: dict[str, dict] = {
     # Each variant names both data-use keys: the bench's online settings (DEFAULT_ONLINE) already
     # hold replay and dense anchors, so a variant naming one key only would
@@ -40,11 +40,12 @@ LEARN_VARIANTS: dict[str, dict] = {
     "dense": {"anchor_stride": 1, "replay": False},  # every fresh token anchors a block
     "replay": {"anchor_stride": None, "replay": True},  # batches filled from recent trained tokens
     "dense+replay": {"anchor_stride": 1, "replay": True},
-    "dense+replay@1e-3": {"anchor_stride": 1, "replay": True, "lr": 1e-3},  # larger steps
+    "dense+replay@1e-3": {"anchor_stride": 1, "replay": True,
+                          "update": {"lr": 1e-3}},  # larger steps
     # The learner's matmul dtype (learner_compute_dtype; the variants above use the default,
     # "auto": bf16 autocast where the CPU computes bf16 natively): float32 as before it existed.
     "replay+fp32": {"anchor_stride": None, "replay": True, "learner_compute_dtype": "float32"},
-    "replay@1e-3": {"anchor_stride": None, "replay": True, "lr": 1e-3},
+    "replay@1e-3": {"anchor_stride": None, "replay": True, "update": {"lr": 1e-3}},
     # Each publish loads and re-packs vLLM's drafter weights on the engine thread (~10 ms on
     # the 2-core box): every update against every 4th (DEFAULT_ONLINE's).
     "replay+publish-every-1": {"anchor_stride": None, "replay": True,
@@ -52,7 +53,7 @@ LEARN_VARIANTS: dict[str, dict] = {
     "replay+publish-every-4": {"anchor_stride": None, "replay": True,
                                "publish": {"every_n_updates": 4}},
     # How much of the wall time the learner may be busy (DEFAULT_ONLINE: 0.25).
-    "share-0.8": {"learner_cpu_share": 0.8},
+    "share-0.8": {"pacing": {"learner_cpu_share": 0.8}},
 }
 
 
@@ -298,7 +299,7 @@ def main(argv: list[str] | None = None) -> int:
     tune = tune_table(run)
     meta = {"date": datetime.date.today().isoformat(), "run": str(run),
             "lr": best_lr(run) if any(r["kind"] == "lr" for r in tune) else
-            (served_settings(run).get("online") or {}).get("lr"),
+            ((served_settings(run).get("online") or {}).get("update") or {}).get("lr"),
             "learn": best_learn(run) if any(r["kind"] == "learn" for r in tune) else None,
             "settings": served_settings(run)}
     out = Path(a.out or run)

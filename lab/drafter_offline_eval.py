@@ -28,15 +28,16 @@ def main() -> int:
     import torch
 
     from vllm_onlinespec.models import resolve
-    from vllm_onlinespec.training.trainer import TrainConfig, evaluate, heldout_inputs, walk_eval
+    from vllm_onlinespec.training.settings import TrainerSettings
+    from vllm_onlinespec.training.trainer import evaluate, heldout_inputs, walk_eval
 
     torch.set_num_threads(args.threads)
     inp = heldout_inputs(args.data, resolve(args.target))
     held, embed, lm = inp.examples, inp.embed_w, inp.lm_head_w
     for path in args.drafter:
         cfg, drafter = inp.drafter(path)
-        tc = TrainConfig(num_layers=cfg.num_hidden_layers, block_size=cfg.block_size,
-                         length_head=False)
+        tc = TrainerSettings(layers=cfg.num_hidden_layers, block_size=cfg.block_size,
+                             length_head=False)
         ev = evaluate(drafter, None, held, embed, lm, tc)
         ev.update(walk_eval(drafter, held, embed, lm))
         print(json.dumps({"drafter": path, "sequences": len(held),

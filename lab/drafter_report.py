@@ -66,7 +66,7 @@ def rows_for(run: Path, served: dict) -> list[CurveRow]:
         row = CurveRow(run=run.name, step=ev["step"],
                        train_tokens=int(ev.get("response_tokens_seen", 0)),
                        distinct_train_tokens=meta["train_response_tokens"],
-                       layers=cfg["num_layers"], K=k,
+                       layers=cfg.get("layers", cfg.get("num_layers")), K=k,
                        accept_len_offline=round(ev["acceptance"], 3),
                        snapshot=str(snap) if snap.is_dir() else None)
         for kk in sorted({k, 4, 7}):

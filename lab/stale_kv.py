@@ -82,7 +82,8 @@ def main() -> None:
     from vllm_onlinespec.models import resolve
     from vllm_onlinespec.training.data import load_spec_bench
     from vllm_onlinespec.training.generate import SamplingSpec, generate
-    from vllm_onlinespec.training.trainer import TrainConfig, evaluate, extract_features, load_target
+    from vllm_onlinespec.training.settings import TrainerSettings
+    from vllm_onlinespec.training.trainer import evaluate, extract_features, load_target
 
     target_path = resolve(args.target)
     tok = AutoTokenizer.from_pretrained(target_path)
@@ -101,7 +102,7 @@ def main() -> None:
     examples = extract_features(target, samples, list(dcfg.target_layer_ids), dtype=torch.float32)
     embed_w = target.get_input_embeddings().weight.detach().float()
     lm_head_w = target.get_output_embeddings().weight.detach().float()
-    cfg = TrainConfig(eval_anchors=32)
+    cfg = TrainerSettings(eval_anchors=32)
 
     def spliced(stale_rows):
         def fn(batch):

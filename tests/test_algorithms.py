@@ -190,8 +190,9 @@ def test_reduces_online_regression_loss(algorithm):
     w_true = torch.randn(d, 1)
     model = torch.nn.Linear(d, 1)
     ps = list(model.parameters())
-    cfg = OnlineSpecConfig.from_any({"algorithm": algorithm, "lr": 3e-2,
-                                     "ensemble_lrs": [1e-2, 3e-2, 1e-1], "hedge_eps": 0.5})
+    cfg = OnlineSpecConfig.from_any({"update": {"algorithm": algorithm, "lr": 3e-2,
+                                                "ensemble_lrs": [1e-2, 3e-2, 1e-1],
+                                                "hedge_lr": 0.5}})
     alg = make_algorithm(cfg, ps)
 
     def batch_loss(x, y):
@@ -215,9 +216,9 @@ def test_make_algorithm_types():
     ps = params()
     for name, cls in [("ogd", OGD), ("optimistic", Optimistic),
                       ("optimistic_momentum", OptimisticMomentum), ("ensemble", HedgeEnsemble)]:
-        alg = make_algorithm(OnlineSpecConfig.from_any({"algorithm": name}), ps)
+        alg = make_algorithm(OnlineSpecConfig.from_any({"update": {"algorithm": name}}), ps)
         assert type(alg) is cls
-    h = make_algorithm(OnlineSpecConfig.from_any({"algorithm": "ensemble"}), ps)
+    h = make_algorithm(OnlineSpecConfig.from_any({"update": {"algorithm": "ensemble"}}), ps)
     assert h.lrs == [3e-5, 1e-4, 3e-4]
 
 
@@ -290,11 +291,11 @@ def test_hedge_loads_checkpoints_from_before_fixed_share():
 
 
 def test_make_algorithm_passes_hedge_share_and_eta():
-    cfg = OnlineSpecConfig.from_any({"algorithm": "ensemble", "hedge_eps": 0.3,
-                                     "hedge_share": 0.02})
+    cfg = OnlineSpecConfig.from_any({"update": {"algorithm": "ensemble", "hedge_lr": 0.3,
+                                                "hedge_share": 0.02}})
     h = make_algorithm(cfg, params())
     assert h.eta == 0.3 and h.share == 0.02
-    assert OnlineSpecConfig.from_any({}).hedge_share == 0.01
+    assert OnlineSpecConfig.from_any({}).update.hedge_share == 0.01
 
 
 def test_all_finite_finds_any_inf_or_nan_in_any_tensor():

@@ -69,7 +69,8 @@ def test_vllm_dynamic_arm_carries_the_k_table(tmp_path, drafter_dir):
 def test_shadow_arm_and_own_checkpoints(tmp_path, drafter_dir):
     shadow = make_arm("shadow", target="t", prompts="p", out_dir=tmp_path, drafter=drafter_dir)
     cfg = OnlineSpecConfig.from_any(shadow.onlinespec)
-    assert shadow.learning and cfg.algorithm == "ogd" and cfg.publish.every_n_updates >= 10**9
+    assert shadow.learning and cfg.update.algorithm == "ogd"
+    assert cfg.publish.every_n_updates >= 10**9
     ogd = make_arm("online-ogd", target="t", prompts="p", out_dir=tmp_path, drafter=drafter_dir)
     ckpt = tmp_path / "checkpoints" / "online-ogd"
     assert ogd.onlinespec["checkpoint"]["dir"] == str(ckpt)
@@ -124,7 +125,7 @@ def test_results_roundtrip_and_report(tmp_path):
         return r
 
     results = [arm("nospec", "none", [1, 1, 1, 1]), arm("frozen", "dflash", [1.2, 1.2, 1.2, 1.2]),
-               arm("online-ogd", "dflash", [1.2, 1.3, 1.5, 1.6], {"lr": 1e-3})]
+               arm("online-ogd", "dflash", [1.2, 1.3, 1.5, 1.6], {"update": {"lr": 1e-3}})]
     again = ArmResult.from_json(json.loads(json.dumps(results[2].to_json())))
     assert again.totals() == results[2].totals()
     rows = {r.arm: r for r in summarize(results)}

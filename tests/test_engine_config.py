@@ -27,12 +27,13 @@ def engine_config(target, drafter, online, method="dflash", **extra):
 
 
 def test_onlinespec_config_selects_the_worker(smollm2_path, drafter):
-    cfg = engine_config(smollm2_path, drafter, {"algorithm": "optimistic"})
+    cfg = engine_config(smollm2_path, drafter, {"update": {"algorithm": "optimistic"}})
     assert cfg.parallel_config.worker_cls == "vllm_onlinespec.SpecDecodeWorker"
 
 
 @pytest.mark.parametrize("online,field", [
-    ({"lr": -1}, "onlinespec.lr"),
+    ({"update": {"lr": -1}}, "onlinespec.update.lr: must be > 0"),
+    ({"lr": 1e-3}, "onlinespec.lr: moved to onlinespec.update.lr"),
     ({"loss": {"alpha": 1.5}}, "onlinespec.loss.alpha"),
     ({"length_head": {"policy": "magic"}}, "onlinespec.length_head.policy"),
     ({"no_such_field": 1}, "no_such_field"),

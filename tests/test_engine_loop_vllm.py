@@ -26,7 +26,8 @@ def served(smollm2_path, tmp_path_factory):
     from vllm_onlinespec.models import shipped_drafter
 
     tmp = tmp_path_factory.mktemp("continuous")
-    online = {"lr": 2e-3, "min_new_tokens_per_update": 8, "learner_cpu_share": 0.8,
+    online = {"update": {"lr": 2e-3}, "min_new_tokens_per_update": 8,
+              "pacing": {"learner_cpu_share": 0.8},
               "batch_blocks": 32, "anchors_per_request": 8}
     spec = make_arm("online-ogd", target=smollm2_path, prompts=str(tmp / "p.jsonl"), out_dir=tmp,
                     drafter=str(shipped_drafter("smollm2-135m")), online=online, dtype="float32",

@@ -12,16 +12,16 @@ from vllm_onlinespec.learner import checkpoint as ckpt
 from vllm_onlinespec.learner.algorithms import OGD
 from vllm_onlinespec.learner.buffer import FeedbackBuffer, FeedbackRecord
 from vllm_onlinespec.learner.learner import OnlineLearner
+from vllm_onlinespec.presets import merge
 
 F, H = 6, 3
 TEACHER = torch.randn(F, H, generator=torch.Generator().manual_seed(123))
 
 
 def cfg(**kw):
-    base = {"lr": 3e-2, "learner_cpu_share": 1.0, "grad_clip": None,
+    base = {"update": {"lr": 3e-2, "grad_clip": None}, "pacing": {"learner_cpu_share": 1.0},
             "min_new_tokens_per_update": 1}
-    base.update(kw)
-    return base
+    return merge(base, kw)
 
 
 def mse_loss(model, batch):
@@ -191,8 +191,8 @@ def test_hedge_learner_nan_member_discards_whole_update():
             loss = loss * float("nan")
         return loss, stats
 
-    lr = OnlineLearner(model(), cfg(algorithm="ensemble", ensemble_lrs=[1e-2, 3e-2, 1e-1]),
-                       loss_fn, lambda b: None)
+    ens = {"algorithm": "ensemble", "ensemble_lrs": [1e-2, 3e-2, 1e-1]}
+    lr = OnlineLearner(model(), cfg(update=ens), loss_fn, lambda b: None)
     assert lr.sync_step(fixed_batch(0)) == "updated"
     v, snap = lr.latest()
     members = [[q.clone() for q in m] for m in lr.algo.members]
@@ -213,7 +213,7 @@ def test_checkpoint_save_load_bit_exact_and_resumes(tmp_path, algorithm):
     def save_model(path):  # stand-in for the HF DFlash writer
         (path / "config.json").write_text(json.dumps({"architectures": ["Toy"]}))
 
-    c = cfg(algorithm=algorithm, checkpoint={"dir": str(tmp_path), "keep_last": 2})
+    c = cfg(update={"algorithm": algorithm}, checkpoint={"dir": str(tmp_path), "keep_last": 2})
     a = OnlineLearner(model(0), c, mse_loss, lambda b: None, save_model=save_model)
     for s in range(3):
         assert a.sync_step(fixed_batch(s)) == "updated"
@@ -305,7 +305,7 @@ def test_latest_consistent_under_concurrent_polling():
     def loss_fn(m, batch):
         return (m(batch) - 3.0) ** 2, {}
 
-    lr = OnlineLearner(Twin(), cfg(lr=1e-3), loss_fn, lambda b: torch.randn(64))
+    lr = OnlineLearner(Twin(), cfg(update={"lr": 1e-3}), loss_fn, lambda b: torch.randn(64))
     first_seen: dict[int, dict] = {}
     failures: list[str] = []
     stop = threading.Event()
@@ -341,7 +341,7 @@ def test_cpu_share_limits_duty_cycle():
         time.sleep(0.02)  # wall-clock busy time the learner must pay back by sleeping
         return mse_loss(m, batch)
 
-    lr = OnlineLearner(model(), cfg(learner_cpu_share=0.25), slow_loss,
+    lr = OnlineLearner(model(), cfg(pacing={"learner_cpu_share": 0.25}), slow_loss,
                        lambda b: fixed_batch(0))
     t0 = time.perf_counter()
     lr.start()
@@ -472,7 +472,7 @@ def test_block_batches_train_a_tiny_drafter_end_to_end():
     for n in (4, 2, 4, 1, 3, 4, 2, 4, 4, 3):
         push(pos, n, K)
         pos += n
-    lr = OnlineLearner(drafter, cfg(lr=1e-3, min_new_tokens_per_update=1), loss_fn,
+    lr = OnlineLearner(drafter, cfg(update={"lr": 1e-3}, min_new_tokens_per_update=1), loss_fn,
                        make_batch_fn(batch_blocks=4, anchors_per_request=4, holdback=K), buf)
     statuses = [lr.sync_step() for _ in range(5)]
     assert statuses[:3] == ["updated"] * 3 and statuses[3:] == ["no_batch"] * 2, statuses

@@ -19,6 +19,7 @@ from vllm_onlinespec.learner.device import Snapshot, resolve_device
 from vllm_onlinespec.learner.factory import build_learner, loss_impl
 from vllm_onlinespec.learner.algorithms import HedgeEnsemble
 from vllm_onlinespec.learner.timing import Timer
+from vllm_onlinespec.presets import merge
 
 H, V, K = 32, 50, 3
 
@@ -34,9 +35,9 @@ def write_drafter(path, head=True):
 
 
 def cfg(**kw):
-    base = dict(lr=1e-3, min_new_tokens_per_update=1, batch_blocks=4, anchors_per_request=4)
-    base.update(kw)
-    return OnlineSpecConfig.from_any(base)
+    base = dict(update={"lr": 1e-3}, min_new_tokens_per_update=1, batch_blocks=4,
+                anchors_per_request=4)
+    return OnlineSpecConfig.from_any(merge(base, kw))
 
 
 def targets(dtype=torch.float32):
@@ -76,8 +77,8 @@ def all_state_tensors(algo):
 def test_everything_the_learner_owns_is_on_its_device(tmp_path, algorithm, dtype):
     path = write_drafter(tmp_path / "d")
     emb, lm = (t.to("meta") for t in targets())
-    c = cfg(algorithm=algorithm, learner_device="meta", learner_dtype=dtype,
-            ensemble_lrs=[1e-3, 1e-4])
+    c = cfg(update={"algorithm": algorithm, "ensemble_lrs": [1e-3, 1e-4]}, learner_device="meta",
+            learner_dtype=dtype)
     parts = build_learner(c, path, emb, lm, K, train_length_head=True)  # device from the config
     learner = parts.learner
     assert learner.device.type == "meta"

@@ -21,6 +21,7 @@ from vllm_onlinespec.learner import checkpoint as ckpt
 from vllm_onlinespec.learner.buffer import FeedbackRecord
 from vllm_onlinespec.learner.factory import build_learner
 from vllm_onlinespec.learner.resume import resume_or_fresh
+from vllm_onlinespec.presets import merge
 
 H, V = 32, 50
 
@@ -41,9 +42,9 @@ def targets():
 
 
 def cfg(**kw):
-    base = dict(lr=1e-3, min_new_tokens_per_update=1, batch_blocks=4, anchors_per_request=4)
-    base.update(kw)
-    return OnlineSpecConfig.from_any(base)
+    base = dict(update={"lr": 1e-3}, min_new_tokens_per_update=1, batch_blocks=4,
+                anchors_per_request=4)
+    return OnlineSpecConfig.from_any(merge(base, kw))
 
 
 def feed(buffer, K, steps=8):
@@ -154,7 +155,7 @@ def _break(case, tmp_path):
     if case == "architecture":
         return saved_checkpoint(tmp_path, layers=2)
     if case == "algorithm":
-        return saved_checkpoint(tmp_path, algorithm="optimistic")
+        return saved_checkpoint(tmp_path, update={"algorithm": "optimistic"})
     p = saved_checkpoint(tmp_path)
     if case == "truncated":
         f = p / ckpt.MODEL_FILE
@@ -197,8 +198,9 @@ def test_gain_pacing_scores_batches_against_the_frozen_start_weights(tmp_path):
     reach the duty cycle and its share, and the reference weights stay frozen."""
     K = 3
     path = write_drafter(tmp_path / "d", block_size=4)
-    parts = build_learner(cfg(lr=1e-2, pacing={"score_every": 1, "learner_cpu_share": 0.5,
-                                                "min_cpu_share": 0.1}),
+    parts = build_learner(cfg(update={"lr": 1e-2}, pacing={"score_every": 1,
+                                                           "learner_cpu_share": 0.5,
+                                                           "min_cpu_share": 0.1}),
                           path, *targets(), K, train_length_head=False)
     lr = parts.learner
     assert lr.duty is not None and lr.share == 0.5

@@ -53,9 +53,9 @@ class Faults:
 
 def make(algorithm: str, faults: Faults) -> OnlineLearner:
     torch.manual_seed(0)
-    cfg = {"algorithm": algorithm, "lr": 3e-2, "grad_clip": None, "learner_cpu_share": 1.0,
-           "min_new_tokens_per_update": 1, "ensemble_lrs": [1e-2, 3e-2, 1e-1][:ENSEMBLE_MEMBERS],
-           "weight_decay": 0.01}
+    cfg = {"update": {"algorithm": algorithm, "lr": 3e-2, "grad_clip": None,
+                      "ensemble_lrs": [1e-2, 3e-2, 1e-1][:ENSEMBLE_MEMBERS], "weight_decay": 0.01},
+           "pacing": {"learner_cpu_share": 1.0}, "min_new_tokens_per_update": 1}
     faults.ensemble = algorithm == "ensemble"
     return OnlineLearner(nn.Linear(F, H), cfg, faults.loss_fn, lambda b: None)
 

@@ -23,7 +23,8 @@ BUFFER = {"window_tokens": 256, "max_tokens": 768, "max_requests": 4}
 
 
 def online_cfg(ckpt_dir: str) -> dict:
-    return {"lr": 2e-3, "min_new_tokens_per_update": 8, "learner_cpu_share": 0.8, "batch_blocks": 32,
+    return {"update": {"lr": 2e-3}, "min_new_tokens_per_update": 8,
+            "pacing": {"learner_cpu_share": 0.8}, "batch_blocks": 32,
             "anchors_per_request": 8, "length_head": {"policy": "adaflash"},
             "buffer": BUFFER, "checkpoint": {"dir": ckpt_dir, "every_n_versions": 10, "keep_last": 2}}
 

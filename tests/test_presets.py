@@ -18,10 +18,10 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def test_preset_fills_what_is_not_given_and_explicit_keys_win():
-    c = OnlineSpecConfig.from_any({"preset": "cpu", "enabled": False, "lr": 1e-3,
+    c = OnlineSpecConfig.from_any({"preset": "cpu", "enabled": False, "update": {"lr": 1e-3},
                                    "prompt_lookup": {"min_n": 3}})
     assert c.preset == "cpu" and not c.enabled
-    assert c.update.lr == 1e-3  # an old flat key beside the preset still overrides it
+    assert c.update.lr == 1e-3  # a key of a section the preset sets overrides that key only
     assert c.update.algorithm == "ogd" and c.pacing.learner_cpu_share == 0.25
     assert (c.length_head.policy, c.length_head.k_min) == ("budget", 0)
     # a section given in part keeps the preset's other keys

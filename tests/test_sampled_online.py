@@ -12,7 +12,8 @@ from test_worker_parity import make_drafter
 
 pytestmark = pytest.mark.vllm
 
-ONLINE = {"lr": 2e-3, "min_new_tokens_per_update": 8, "learner_cpu_share": 0.8,
+ONLINE = {"update": {"lr": 2e-3}, "min_new_tokens_per_update": 8,
+          "pacing": {"learner_cpu_share": 0.8},
           "length_head": {"policy": "adaflash", "rho": 0.5}}
 
 

@@ -35,7 +35,8 @@ def server(smollm2_path, tmp_path_factory):
     drafter = make_drafter(smollm2_path, str(tmp / "drafter"))
     port = free_port()
     log = tmp / "serve.log"
-    online = {"lr": 1e-3, "min_new_tokens_per_update": 8, "length_head": {"policy": "budget"}}
+    online = {"update": {"lr": 1e-3}, "min_new_tokens_per_update": 8,
+              "length_head": {"policy": "budget"}}
     cmd = [str(Path(sys.executable).parent / "vllm"), "serve", smollm2_path, "--host", "127.0.0.1",
            "--port", str(port), "--dtype", "float32", "--served-model-name", "smollm2",
            "--speculative-config", json.dumps({"method": "dflash", "model": drafter,

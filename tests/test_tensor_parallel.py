@@ -88,8 +88,8 @@ def tp(smollm2_path, tmp_path_factory):
                   speculative_config={"method": "dflash", "model": drafter,
                                       "num_speculative_tokens": K},
                   additional_config={"onlinespec": {
-                      "lr": 3e-3, "min_new_tokens_per_update": 8, "batch_blocks": 16,
-                      "anchors_per_request": 8, "learner_cpu_share": 0.5,
+                      "update": {"lr": 3e-3}, "min_new_tokens_per_update": 8, "batch_blocks": 16,
+                      "anchors_per_request": 8, "pacing": {"learner_cpu_share": 0.5},
                       "length_head": {"policy": "fixed"}}})
     except BaseException:  # the error stands: restore the environment for later modules only
         _restore(saved)

@@ -6,6 +6,7 @@ decoding through HF).
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
 
@@ -21,7 +22,8 @@ from vllm_onlinespec.training.blocks import (LossVocab, block_loss, greedy_accep
                                              response_mask, sample_anchors, target_argmax,
                                              walk_acceptance, walk_steps)
 from vllm_onlinespec.training.generate import SamplingSpec, generate
-from vllm_onlinespec.training.trainer import TrainConfig, train
+from vllm_onlinespec.training.settings import TrainerSettings
+from vllm_onlinespec.training.trainer import train
 
 VOCAB = 128
 
@@ -472,11 +474,10 @@ def walk_samples(walk_target, tmp_path_factory):
 
 
 def _cfg(**kw):
-    base = dict(num_layers=1, block_size=4, num_target_features=2, mask_token_id=0, epochs=10,
+    base = dict(layers=1, block_size=4, num_target_features=2, mask_token_id=0, epochs=10,
                 batch_size=8, anchors_per_seq=16, lr=1e-2, warmup_steps=4, eval_anchors=8,
-                log_every=4, loss=LossConfig(alpha=0.8, gamma=4.0))
-    base.update(kw)
-    return TrainConfig(**base)
+                log_every=4, alpha=0.8, gamma=4.0)
+    return TrainerSettings(**{**base, **kw})
 
 
 def test_training_lowers_loss_and_raises_acceptance(walk_target, walk_samples, tmp_path):
@@ -516,7 +517,7 @@ def test_init_from_continues_a_trained_drafter(walk_target, walk_samples, tmp_pa
     assert cont.evals[0]["loss"] < 0.9 * fresh.evals[0]["loss"]
     with pytest.raises(ValueError, match="its (layer_types|num_hidden_layers) is"):
         train("unused", train_s, held_s, tmp_path / "d",
-              _cfg(epochs=1, num_layers=2, init_from=str(tmp_path / "a")), **quiet)
+              _cfg(epochs=1, layers=2, init_from=str(tmp_path / "a")), **quiet)
     with pytest.raises(ValueError, match="feature scale"):
         _cfg(init_from="x", normalize_features=True)
 
@@ -530,7 +531,7 @@ def test_ce_training_on_cached_labels_with_normalised_features(walk_target, walk
 
     model, _ = walk_target
     train_s, held_s = walk_samples
-    cfg = _cfg(loss=LossConfig(mode="ce", gamma=2.0), normalize_features=True,
+    cfg = _cfg(loss_mode="ce", gamma=2.0, normalize_features=True,
                compute_dtype="bfloat16")
     res = train("unused", train_s, held_s, tmp_path / "run", cfg, target=model,
                 log=lambda m: None)
@@ -555,7 +556,7 @@ def test_training_exports_the_reduced_draft_vocabulary_it_trained(walk_target, w
 
     model, _ = walk_target
     train_s, held_s = walk_samples
-    cfg = _cfg(epochs=1, loss=LossConfig(mode="ce"), draft_vocab_size=40)
+    cfg = _cfg(epochs=1, loss_mode="ce", gamma=7.0, draft_vocab_size=40)
     res = train("unused", train_s, held_s, tmp_path / "run", cfg, target=model,
                 log=lambda m: None)
     vocab = load_draft_vocab(tmp_path / "run", dtype=torch.float32)
@@ -564,7 +565,7 @@ def test_training_exports_the_reduced_draft_vocabulary_it_trained(walk_target, w
     assert 2 in vocab.ids.tolist()  # the target's end-of-sequence token is always in
     torch.testing.assert_close(vocab.weight, model.lm_head.weight[vocab.ids].to(torch.bfloat16).float())
     assert "walk_acceptance" in res.evals[-1]
-    with pytest.raises(ValueError, match="draft_vocab_size needs loss mode 'ce'"):
+    with pytest.raises(ValueError, match="--draft-vocab-size needs --loss-mode ce"):
         _cfg(draft_vocab_size=40)
 
 
@@ -618,19 +619,80 @@ def test_cli_one_line_errors(argv, msg, tmp_path, capsys):
     assert msg in err and "\n" not in err
 
 
-def test_recipes_resolve_and_bench_flags_parse(tmp_path):
+def test_recipes_resolve_and_bench_flags_parse(tmp_path, monkeypatch):
     """Every recipe is a valid set of flags (the benchmarks pass recipe values as flags)."""
     from vllm_onlinespec.bench.cli import recipe_flags, train_flags
     from vllm_onlinespec.cli import build_parser
     from vllm_onlinespec.training.cli import RECIPES, resolve_settings
 
+    question = tmp_path / "question.jsonl"
+    question.write_text("")
+    monkeypatch.setenv("VLLM_ONLINESPEC_SPEC_BENCH", str(question))
     for name in RECIPES:
         args = build_parser().parse_args(["train", "--recipe", name, "--out", str(tmp_path)])
         s = resolve_settings(args)
-        assert s["out"] == str(tmp_path)
+        assert s.out == str(tmp_path)
+        assert s.spec_bench in (None, str(question))  # a recipe's 'auto': the variable's path
     s = resolve_settings(build_parser().parse_args(
         ["train", "--recipe", "smollm2-default", "--out", "x", "--epochs", "2"]))
-    assert s["steps"] is None and s["epochs"] == 2  # an explicit --epochs beats a recipe's steps
+    assert s.steps is None and s.epochs == 2  # an explicit --epochs beats a recipe's steps
     assert "math_reasoning" in RECIPES["smollm2-default"]["exclude_categories"]
     flags = train_flags(["humaneval"], None, base={**recipe_flags(), "epochs": 2})
     resolve_settings(build_parser().parse_args(["train", "--out", "x", *flags]))
+
+
+def _settings(*argv):
+    from vllm_onlinespec.cli import build_parser
+    from vllm_onlinespec.training.cli import resolve_settings
+
+    return resolve_settings(build_parser().parse_args(["train", "--out", "x", *argv]))
+
+
+def test_flags_are_generated_from_the_settings(monkeypatch):
+    """A flag per field (dashes for underscores) with the field's default; booleans as
+    --x/--no-x; 'none' unsets an optional setting; a recipe's value stands unless a flag is
+    given; the trainer's part of the settings is what train_config records."""
+    from vllm_onlinespec.cli import build_parser
+    from vllm_onlinespec.training.settings import TrainerSettings, TrainSettings
+
+    (sub,) = [a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction)]
+    flags = {s for a in sub.choices["train"]._actions for s in a.option_strings}
+    for name in TrainSettings.model_fields:
+        assert "--" + name.replace("_", "-") in flags, name
+    assert {"--no-humaneval", "--normalize-features", "--recipe"} <= flags
+    monkeypatch.delenv("VLLM_ONLINESPEC_SPEC_BENCH", raising=False)
+    s = _settings("--threads", "1")
+    assert s.model_dump(exclude={"out", "threads"}) == TrainSettings().model_dump(
+        exclude={"out", "threads"}) and s.threads == 1
+    s = _settings("--recipe", "smollm2-scaled", "--spec-bench", "none", "--no-humaneval",
+                  "--prompts", "a.jsonl", "--token-budget", "none", "--mask-token-id", "16")
+    assert (s.spec_bench, s.humaneval, s.prompts, s.token_budget) == (None, False, ["a.jsonl"],
+                                                                      None)
+    assert s.mask_token_id == 16 and s.draft_vocab_size == 8192 and s.steps == 3400
+    assert _settings("--recipe", "smollm2-scaled", "--spec-bench", "q", "--epochs", "3").steps is None
+    assert _settings("--recipe", "smollm2-small", "--steps", "7").epochs == 2
+    assert set(s.trainer_json()) == set(TrainerSettings.model_fields)
+    assert s.trainer_json()["layers"] == 1 and "spec_bench" not in s.trainer_json()
+
+
+@pytest.mark.parametrize("argv, msg", [
+    (["--recipe", "smollm2-l3"], "--spec-bench PATH"),
+    (["--threads", "0"], "--threads must be >= 1 (got 0)"),
+    (["--target-layers", "1,x"], "--target-layers must be 'auto' or comma-separated ints"),
+    (["--draft-vocab-size", "8"], "--draft-vocab-size needs --loss-mode ce"),
+    (["--top-p", "0"], "--top-p must be > 0"),
+])
+def test_settings_one_line_errors(argv, msg, monkeypatch):
+    monkeypatch.delenv("VLLM_ONLINESPEC_SPEC_BENCH", raising=False)
+    with pytest.raises(ValueError) as e:
+        _settings(*argv)
+    assert msg in str(e.value) and "\n" not in str(e.value)
+
+
+def test_a_bad_recipe_key_fails_in_one_line():
+    from vllm_onlinespec.training.settings import Recipe, _checked
+
+    with pytest.raises(ValueError, match="^recipe r: unknown setting 'num_layers'$"):
+        _checked({"r": Recipe("why", num_layers=2)})
+    with pytest.raises(ValueError, match="^recipe r: --block-size must be >= 2 \\(got 1\\)$"):
+        _checked({"r": Recipe("why", block_size=1)})

@@ -21,7 +21,7 @@ from typing import Any, Literal, Union, get_args, get_origin
 from pydantic import BaseModel
 from pydantic_core import PydanticUndefined
 
-from vllm_onlinespec.config import MOVED, ROOT, OnlineSpecConfig
+from vllm_onlinespec.config import ROOT, OnlineSpecConfig
 from vllm_onlinespec.presets import PRESET_K, PRESETS
 
 COMMAND = "python -m vllm_onlinespec.config_docs"
@@ -107,19 +107,24 @@ def render(model: type[BaseModel] = OnlineSpecConfig) -> str:
         "```bash",
         "vllm serve MODEL \\",
         "  --speculative-config '{\"method\": \"dflash\", \"model\": DRAFTER_DIR, "
-        "\"num_speculative_tokens\": 7}' \\",
+        f"\"num_speculative_tokens\": {PRESET_K['cpu']}}}' \\",
         "  --additional-config '{\"onlinespec\": {\"preset\": \"cpu\", \"update\": {\"lr\": 1e-4}}}'",
         "```",
         "",
-        "`preset` names settings that fill every key the object does not give ([presets]"
-        "(#presets) below); a key given explicitly wins.",
+        "or `LLM(..., additional_config={\"onlinespec\": {...}})`.",
         "",
-        "or `LLM(..., additional_config={\"onlinespec\": {...}})`. Every key is optional; a key "
-        "left out takes the default below. Nested sections are objects: `update.lr` is "
-        "`{\"update\": {\"lr\": 1e-4}}`. An unknown key or a value out of range is refused "
-        f"at start with one line naming it by its dotted path (e.g. `{ROOT}.update.lr: must be "
-        "> 0 (got -1)`). The same object can be given as JSON text or as a path to a .json "
-        "file (`OnlineSpecConfig.from_any`). In the descriptions, K is `num_speculative_tokens`, "
+        "**Start from the `cpu` preset**: `{\"preset\": \"cpu\"}` is what the demo, the "
+        "benchmarks and the examples serve, measured on a CPU with the `num_speculative_tokens` "
+        "above. A preset fills every key the object does not give ([presets](#presets) below); a "
+        "key given explicitly wins, so override only what you need. Every key is optional: "
+        "without a preset, a key left out takes the default below.",
+        "",
+        "Nested sections are objects: `update.lr` is `{\"update\": {\"lr\": 1e-4}}`. An "
+        "unknown key or a value out of range is refused at start with one line naming it by its "
+        f"dotted path (e.g. `{ROOT}.update.lr: must be > 0 (got -1)`); a top-level key of older "
+        f"versions names where it moved (`{ROOT}.lr: moved to {ROOT}.update.lr`). The same "
+        "object can be given as JSON text or as a path to a .json file "
+        "(`OnlineSpecConfig.from_any`). In the descriptions, K is `num_speculative_tokens`, "
         "None is JSON `null`, True / False are `true` / `false`, and each key's range and unit "
         "are in parentheses.",
         "",
@@ -143,18 +148,7 @@ def render(model: type[BaseModel] = OnlineSpecConfig) -> str:
     for pname in sorted(PRESETS):
         out += [f"### `{pname}`", "", f"- `num_speculative_tokens`: {PRESET_K[pname]}",
                 *(f"- `{key}`: `{json.dumps(value)}`" for key, value in _flat(PRESETS[pname]))]
-    out += [
-        "",
-        "## Older flat keys",
-        "",
-        "These keys at the top level are still accepted and moved into their section; giving "
-        "both spellings of one key is an error.",
-        "",
-        "| Old key | Now |",
-        "|---|---|",
-        *(f"| `{old}` | `{section}.{new}` |" for old, (section, new) in MOVED.items()),
-        "",
-    ]
+    out.append("")
     return "\n".join(out)
 
 

@@ -1,4 +1,5 @@
-"""Named `onlinespec` settings: what was measured, under one name a user can copy.
+"""Named `onlinespec` settings: what was measured, under one name a user can copy. Start from
+`cpu` (docs/configuration.md), overriding only what you need:
 
     --additional-config '{"onlinespec": {"preset": "cpu"}}'
     --additional-config '{"onlinespec": {"preset": "cpu", "enabled": false}}'   # drafter frozen

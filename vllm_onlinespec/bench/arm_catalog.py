@@ -41,7 +41,6 @@ import shutil
 from pathlib import Path
 
 from vllm_onlinespec.bench.results import ArmSpec
-from vllm_onlinespec.config import move_old_keys
 from vllm_onlinespec.presets import LEARNER, PRESET_K, SERVING_CPU, merge, preset
 
 ALGORITHMS = ("ogd", "optimistic", "optimistic_momentum", "ensemble")
@@ -162,9 +161,9 @@ def _parse(name: str) -> tuple[str, dict | None]:
 
 
 def merge_sections(base: dict, over: dict) -> dict:
-    """`over` on a copy of `base`, config sections (dicts) merged key by key; old flat keys
-    (`lr`, `algorithm`, ...) moved into their sections first, so either spelling overrides."""
-    return merge(move_old_keys(base), move_old_keys(over))
+    """`over` on a copy of `base`, config sections (dicts) merged key by key (an old flat key
+    such as `lr` is left at the top level, where validation refuses it naming its section)."""
+    return merge(base, over)
 
 
 def _check_k_table(table) -> None:

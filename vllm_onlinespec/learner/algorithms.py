@@ -548,4 +548,4 @@ def make_algorithm(cfg, params: Sequence[torch.Tensor]) -> OnlineAlgorithm:
     if u.algorithm == "ensemble":
         return HedgeEnsemble(params, u.ensemble_lrs, eta=u.hedge_lr, share=u.hedge_share,
                              member_factory=lambda ps, lr: OGD(ps, lr=lr, **kw))
-    raise ValueError(f"unknown algorithm {cfg.algorithm!r}")
+    raise ValueError(f"unknown algorithm {u.algorithm!r}")

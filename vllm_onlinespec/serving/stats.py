@@ -235,7 +235,7 @@ def session_stats(s: Any) -> OnlineSpecStats:
 
 def session_info(s: Any) -> dict[str, str]:
     """The settings in force, as the `onlinespec:config_info` metric's labels."""
-    return {"algorithm": s.cfg.algorithm, "learning": str(s.cfg.enabled),
+    return {"algorithm": s.cfg.update.algorithm, "learning": str(s.cfg.enabled),
             "verify_policy": s.cfg.length_head.policy, "K": str(s.K),
             "prompt_lookup": str(s.lookup is not None), "length_head": s.cutter.head_state}
 

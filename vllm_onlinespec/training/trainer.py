@@ -26,6 +26,7 @@ import shutil
 import tempfile
 import time
 from collections.abc import Callable, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -38,94 +39,11 @@ from ..drafter import DFlashConfig, DFlashDrafter, LengthHead, load_drafter, sav
 from .blocks import LossVocab, block_loss, response_mask, sample_anchors, walk_steps
 from .features import target_features
 from .generate import Sample
+from .settings import TrainerSettings
 
 STATE_DIR = "train_state"
 LOG_FILE = "train_log.jsonl"
 META_FILE = "train_meta.json"
-
-
-@dataclass
-class TrainConfig:
-    # drafter shape
-    num_layers: int = 1
-    block_size: int = 8  # K = block_size - 1 = vLLM's num_speculative_tokens
-    target_layer_ids: list[int] | None = None  # None: spread num_target_features over the depth
-    num_target_features: int = 3
-    mask_token_id: int = 0
-    # optimisation
-    epochs: int = 2
-    max_steps: int | None = None  # overrides epochs when set
-    batch_size: int = 4  # sequences per step
-    anchors_per_seq: int = 8  # blocks per sequence per step (fewer if the response is short)
-    lr: float = 1e-3
-    min_lr_frac: float = 0.1
-    warmup_steps: int = 20
-    schedule: str = "cosine"  # or "linear"
-    # Where training blocks are anchored: "all" response positions, or "tree-miss": only where
-    # the suffix tree's draft scores below tree_min_score, the positions the hybrid proposer
-    # asks the drafter for (training/tree_anchors.py).
-    anchors: str = "all"
-    tree_min_score: float = 1.0
-    # Start from a trained drafter folder's weights (its shape, draft vocabulary and length
-    # head) instead of random ones: continued training. Its fc already holds the feature
-    # scale it was trained with, so features are not normalised again.
-    init_from: str | None = None
-    weight_decay: float = 0.01
-    grad_clip: float = 1.0
-    loss: LossConfig = field(default_factory=LossConfig)  # loss.vocab: see blocks.LossVocab
-    length_head: bool = True
-    seed: int = 0
-    # Divide every target feature dimension by its RMS over the training data before `fc`,
-    # folded into fc's columns at export (vLLM loads the checkpoint unchanged). The target's
-    # massive activations (one dimension of a late layer hundreds of times the median) would
-    # otherwise dominate fc's input and its gradient.
-    normalize_features: bool = False
-    # Serve (and train) a reduced draft vocabulary of this many tokens, the most frequent
-    # labels of the training data (vLLM's draft_vocab_size + d2t, drafter/vocab.py); it is
-    # also the loss's vocabulary. None = the target's whole LM head at serving.
-    draft_vocab_size: int | None = None
-    # "float32", or "bfloat16": autocast the drafter's matmuls (CPUs with native bf16 dot
-    # products, GPUs); master weights, optimizer and loss statistics stay float32.
-    compute_dtype: str = "float32"
-    # evaluation / bookkeeping
-    eval_anchors: int = 16
-    # Extra held-out evaluations every N steps, each with a drafter snapshot in
-    # out/snapshots/step-N (the learning curve serves them); 0 = per epoch only.
-    eval_every: int = 0
-    log_every: int = 10
-    save_every_s: float = 120.0
-    target_dtype: str = "float32"  # HF target for features; CPU bf16 matmuls are slow here
-    feature_dtype: str = "bfloat16"  # storage of cached features (vLLM serves bf16 features)
-    feature_batch_tokens: int = 8192
-
-    def __post_init__(self) -> None:
-        if isinstance(self.loss, dict):
-            self.loss = LossConfig(**self.loss)
-        checks = {"num_layers": self.num_layers >= 1, "block_size": self.block_size >= 2,
-                  "epochs": self.epochs >= 1, "batch_size": self.batch_size >= 1,
-                  "anchors_per_seq": self.anchors_per_seq >= 1, "lr": self.lr > 0,
-                  "min_lr_frac": 0 <= self.min_lr_frac <= 1, "warmup_steps": self.warmup_steps >= 0,
-                  "schedule": self.schedule in ("cosine", "linear"),
-                  "anchors": self.anchors in ("all", "tree-miss"),
-                  "tree_min_score": self.tree_min_score >= 0,
-                  "grad_clip": self.grad_clip > 0, "eval_anchors": self.eval_anchors >= 1,
-                  "max_steps": self.max_steps is None or self.max_steps >= 1,
-                  "compute_dtype": self.compute_dtype in ("float32", "bfloat16"),
-                  "draft_vocab_size": self.draft_vocab_size is None or self.draft_vocab_size >= 1}
-        bad = [k for k, ok in checks.items() if not ok]
-        if bad:
-            raise ValueError(f"invalid training setting {bad[0]}={getattr(self, bad[0])!r}")
-        if self.init_from is not None and self.normalize_features:
-            raise ValueError("init_from: the checkpoint's fc already holds its feature scale; "
-                             "leave normalize_features off")
-        if self.draft_vocab_size is not None and self.loss.mode != "ce":
-            raise ValueError("draft_vocab_size needs loss mode 'ce' (cached target labels "
-                             "score the reduced vocabulary as vLLM serves it)")
-
-    def to_json(self) -> dict:
-        d = dataclasses.asdict(self)
-        d["loss"] = self.loss.model_dump()
-        return d
 
 
 # -- features ---------------------------------------------------------------------------------------
@@ -353,7 +271,7 @@ def epoch_batches(lengths: Sequence[int], batch_size: int, seed: int, epoch: int
 
 # -- schedule, checkpoints --------------------------------------------------------------------------
 
-def lr_lambda(cfg: TrainConfig, total_steps: int) -> Callable[[int], float]:
+def lr_lambda(cfg: TrainerSettings, total_steps: int) -> Callable[[int], float]:
     def f(step: int) -> float:
         if step < cfg.warmup_steps:
             return (step + 1) / (cfg.warmup_steps + 1)
@@ -456,7 +374,7 @@ def _weighted(stats: list[dict], key: str, weight: str) -> float:
 
 @torch.no_grad()
 def evaluate(drafter: DFlashDrafter, length_head: LengthHead | None, examples: Sequence[Example],
-             embed_w: Tensor, lm_head_w: Tensor, cfg: TrainConfig,
+             embed_w: Tensor, lm_head_w: Tensor, cfg: TrainerSettings,
              ctx_kv_fn: Callable[[dict[str, Tensor]], list] | None = None,
              draft_vocab: LossVocab | None = None) -> dict:
     """Held-out metrics on blocks anchored in the responses with all K labels (fixed anchors).
@@ -466,7 +384,7 @@ def evaluate(drafter: DFlashDrafter, length_head: LengthHead | None, examples: S
     drafter.eval()
     k = drafter.config.num_draft_tokens
     gen = torch.Generator().manual_seed(12345)
-    stats = []
+    loss_cfg, stats = cfg.loss, []
     order = sorted(range(len(examples)), key=lambda i: len(examples[i].ids))
     for s in range(0, len(order), cfg.batch_size):
         batch = collate([examples[i] for i in order[s:s + cfg.batch_size]])
@@ -475,9 +393,9 @@ def evaluate(drafter: DFlashDrafter, length_head: LengthHead | None, examples: S
         allowed &= torch.arange(t) + k < batch["lengths"].view(-1, 1)  # full windows only
         anchors = sample_anchors(allowed, batch["lengths"], cfg.eval_anchors, k, gen)
         _, st = block_loss(drafter, batch["ids"], batch["aux"], batch["final"], anchors, embed_w,
-                           lm_head_w, loss_cfg=cfg.loss, length_head=length_head, lengths=batch["lengths"],
+                           lm_head_w, loss_cfg=loss_cfg, length_head=length_head, lengths=batch["lengths"],
                            ctx_kv=ctx_kv_fn(batch) if ctx_kv_fn else None,
-                           **_served_vocab(draft_vocab, batch.get("target_ids"), cfg.loss))
+                           **_served_vocab(draft_vocab, batch.get("target_ids"), loss_cfg))
         stats.append(st.as_dict())
     drafter.train()
     out = {key: _weighted(stats, key, "rows") for key in ("loss", "distill")}
@@ -579,89 +497,135 @@ def _init_from(path: str, dcfg: DFlashConfig, drafter: DFlashDrafter,
         length_head.load_state_dict(ihead.state_dict())
 
 
-def train(target_path: str, train_samples: Sequence[Sample], heldout_samples: Sequence[Sample],
-          out: str | os.PathLike, cfg: TrainConfig, *, target: nn.Module | None = None,
-          stop_after: int | None = None, meta: dict | None = None,
-          examples: tuple[Sequence[Example], Sequence[Example]] | None = None,
-          log: Callable[[str], None] = print) -> TrainResult:
-    """Train (or resume) a drafter in `out`; returns when done or after `stop_after` steps.
+# -- the run ----------------------------------------------------------------------------------------
 
-    `target`: an already loaded HF target (tests); by default loaded from target_path.
-    `stop_after`: stop early after this global step, as a crash would (state is saved).
-    `examples`: (train, held-out) features already computed (feature shards), matching the
-    samples one to one; then the target is loaded only for its embedding and LM head.
-    """
-    out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
-    state_dir = out / STATE_DIR
-    timings: dict[str, float] = {}
-    torch.manual_seed(cfg.seed)
-
-    from transformers import AutoConfig
-
-    from .generate import model_fingerprint
-
-    tcfg = target.config if target is not None else AutoConfig.from_pretrained(target_path)
-    dcfg = DFlashConfig.for_target(
-        tcfg, mask_token_id=cfg.mask_token_id, num_layers=cfg.num_layers,
+def drafter_config(target_config, cfg: TrainerSettings) -> DFlashConfig:
+    """The DFlashConfig the settings give for a target's HF config."""
+    if cfg.mask_token_id == "auto":
+        raise ValueError("mask_token_id 'auto' is resolved from the tokenizer first "
+                         "(training.cli.pick_mask_token)")
+    return DFlashConfig.for_target(
+        target_config, mask_token_id=cfg.mask_token_id, num_layers=cfg.layers,
         num_target_features=cfg.num_target_features, block_size=cfg.block_size,
         target_layer_ids=cfg.target_layer_ids)
-    k = dcfg.num_draft_tokens
-    if not train_samples:
-        raise ValueError("no training samples")
 
-    # Target + features. Loading the HF target is cheap next to running it, so it is always
-    # loaded (for its embedding and LM head) and only run for features the cache lacks.
+
+@dataclass
+class TrainData:
+    """What a run trains and evaluates on, with the target's frozen tables in float32 (the
+    drafter trains in float32 and exports bf16)."""
+
+    train: list[Example]
+    held: list[Example]
+    embed_w: Tensor
+    lm_head_w: Tensor
+
+
+@dataclass
+class Run:
+    """One training run: what the step functions read and advance."""
+
+    out: Path
+    cfg: TrainerSettings
+    loss: LossConfig
+    dcfg: DFlashConfig
+    data: TrainData
+    drafter: DFlashDrafter
+    length_head: LengthHead | None
+    params: list[nn.Parameter]
+    opt: torch.optim.Optimizer
+    sched: torch.optim.lr_scheduler.LambdaLR
+    vocab: LossVocab | None  # the rows the loss projects onto (None: the whole LM head)
+    draft_vocab: LossVocab | None  # the reduced vocabulary served (None: the whole LM head)
+    scale: Tensor | None  # per feature dimension (normalize_features), folded into fc at export
+    total: int  # steps
+    per_epoch: int
+    run_key: str  # settings + data: a saved state resumes only the same run
+    log: Callable[[str], None]
+    step: int = 0
+    evals: list[dict] = field(default_factory=list)
+    window: list[dict] = field(default_factory=list)  # step stats since the last train_log row
+
+    @property
+    def state_path(self) -> Path:
+        return self.out / STATE_DIR / "state.pt"
+
+
+def _response_tokens(examples: Sequence[Example]) -> int:
+    return sum(len(e.ids) - e.start for e in examples)
+
+
+@contextmanager
+def _timed(timings: dict[str, float], key: str):
     t0 = time.perf_counter()
-    fp = {"object": id(target)} if target is not None else model_fingerprint(target_path)
-    if target is None:
-        target = load_target(target_path, cfg.target_dtype)
-    cache = state_dir if fp.get("path") else None  # in-memory targets (tests) are not cached
-    timings["load_target_s"] = time.perf_counter() - t0
+    yield
+    timings[key] = time.perf_counter() - t0
+
+
+def load_data(target_path: str, target: nn.Module | None, train_samples: Sequence[Sample],
+              heldout_samples: Sequence[Sample], cfg: TrainerSettings, dcfg: DFlashConfig,
+              examples, cache: Path, timings: dict[str, float], log) -> TrainData:
+    """The examples (given, else the target's features, cached in `cache`) and the target's
+    tables. Loading the HF target is cheap next to running it, so it is always loaded (for its
+    embedding and LM head) and only run for features the cache lacks."""
+    from .generate import model_fingerprint
+
+    with _timed(timings, "load_target_s"):
+        fp = {"object": id(target)} if target is not None else model_fingerprint(target_path)
+        if target is None:
+            target = load_target(target_path, cfg.target_dtype)
+        cache = cache if fp.get("path") else None  # in-memory targets (tests) are not cached
     fdtype = getattr(torch, cfg.feature_dtype)
-    t0 = time.perf_counter()
-    if examples is not None:
-        train_ex, held_ex = list(examples[0]), list(examples[1])
-        if len(train_ex) != len(train_samples) or len(held_ex) != len(heldout_samples):
-            raise ValueError(f"examples ({len(train_ex)}, {len(held_ex)}) do not match the samples "
-                             f"({len(train_samples)}, {len(heldout_samples)})")
-    else:
-        train_ex = cached_features(cache, target, train_samples, dcfg.target_layer_ids, fp, fdtype,
-                                   cfg.feature_batch_tokens, "train")
-        held_ex = cached_features(cache, target, heldout_samples, dcfg.target_layer_ids, fp, fdtype,
-                                  cfg.feature_batch_tokens, "heldout") if heldout_samples else []
-    timings["features_s"] = time.perf_counter() - t0
-    n_tok = sum(len(e.ids) for e in train_ex)
-    n_resp = sum(len(e.ids) - e.start for e in train_ex)
-    log(f"features: {len(train_ex)} train sequences ({n_tok} tokens, {n_resp} response), "
-        f"{len(held_ex)} held out, {timings['features_s']:.0f} s")
-
-    # Frozen target tables in fp32 (the drafter trains in fp32 and exports bf16); the rest of
-    # the target is not needed any more.
+    with _timed(timings, "features_s"):
+        if examples is not None:
+            train_ex, held_ex = list(examples[0]), list(examples[1])
+            if len(train_ex) != len(train_samples) or len(held_ex) != len(heldout_samples):
+                raise ValueError(f"examples ({len(train_ex)}, {len(held_ex)}) do not match the "
+                                 f"samples ({len(train_samples)}, {len(heldout_samples)})")
+        else:
+            train_ex = cached_features(cache, target, train_samples, dcfg.target_layer_ids, fp,
+                                       fdtype, cfg.feature_batch_tokens, "train")
+            held_ex = cached_features(cache, target, heldout_samples, dcfg.target_layer_ids, fp,
+                                      fdtype, cfg.feature_batch_tokens,
+                                      "heldout") if heldout_samples else []
+    log(f"features: {len(train_ex)} train sequences ({sum(len(e.ids) for e in train_ex)} "
+        f"tokens, {_response_tokens(train_ex)} response), {len(held_ex)} held out, "
+        f"{timings['features_s']:.0f} s")
     embed_w = target.get_input_embeddings().weight.detach().float()
-    lm_head_w = target.get_output_embeddings().weight.detach().float()
     if embed_w.shape[0] <= dcfg.mask_token_id:
         raise ValueError(f"mask token {dcfg.mask_token_id} has no embedding row "
                          f"(vocab {embed_w.shape[0]})")
-    target = None
-    if cfg.loss.mode == "ce":  # the step's only use of the target's head: do it once
-        t0 = time.perf_counter()
-        add_target_labels(train_ex + held_ex, lm_head_w)
-        timings["labels_s"] = time.perf_counter() - t0
-        log(f"target labels: {sum(len(e.ids) - e.start for e in train_ex)} response positions, "
+    return TrainData(train_ex, held_ex, embed_w,
+                     target.get_output_embeddings().weight.detach().float())
+
+
+def add_labels_and_anchors(cfg: TrainerSettings, k: int, data: TrainData,
+                           timings: dict[str, float], log) -> None:
+    """Loss mode ce: the target's argmax labels, once (the step's only use of the target's
+    head). Anchors tree-miss: the positions where the suffix tree's score stays low."""
+    if cfg.loss_mode == "ce":
+        with _timed(timings, "labels_s"):
+            add_target_labels(data.train + data.held, data.lm_head_w)
+        log(f"target labels: {_response_tokens(data.train)} response positions, "
             f"{timings['labels_s']:.0f} s")
     if cfg.anchors == "tree-miss":
         from .tree_anchors import mark_tree_misses
 
-        t0 = time.perf_counter()
-        share = mark_tree_misses(train_ex, cfg.tree_min_score, k)
-        timings["tree_anchors_s"] = time.perf_counter() - t0
+        with _timed(timings, "tree_anchors_s"):
+            share = mark_tree_misses(data.train, cfg.tree_min_score, k)
         log(f"anchors: the {share:.1%} of response positions where the suffix tree's score stays "
             f"below {cfg.tree_min_score:g} ({timings['tree_anchors_s']:.0f} s)")
-    # loss.vocab "seen": every token of the training sequences (and their labels) is known up front.
+
+
+def loss_vocabs(cfg: TrainerSettings, data: TrainData, target_config,
+                log) -> tuple[LossVocab | None, LossVocab | None]:
+    """(the rows the loss projects onto, the reduced draft vocabulary served). loss_vocab seen:
+    every token of the training sequences and their labels, known up front; a draft vocabulary
+    (init_from's, or the draft_vocab_size most frequent labels) replaces it."""
+    train_ex, lm_head_w = data.train, data.lm_head_w
     vocab = (LossVocab.of(lm_head_w, torch.cat([e.ids for e in train_ex]
                                                + [e.tgt for e in train_ex if e.tgt is not None]))
-             if cfg.loss.vocab == "seen" else None)
+             if cfg.loss_vocab == "seen" else None)
     draft_vocab = None
     if cfg.init_from is not None:
         from ..drafter.checkpoint import load_draft_vocab
@@ -672,155 +636,236 @@ def train(target_path: str, train_samples: Sequence[Sample], heldout_samples: Se
             log(f"draft vocabulary: {cfg.init_from}'s {len(vocab)} tokens "
                 f"({label_coverage(train_ex, vocab):.2%} of the training labels)")
     elif cfg.draft_vocab_size is not None:
-        draft_vocab = vocab = frequent_vocab(train_ex, lm_head_w, cfg.draft_vocab_size, tcfg)
+        draft_vocab = vocab = frequent_vocab(train_ex, lm_head_w, cfg.draft_vocab_size,
+                                             target_config)
         log(f"draft vocabulary: the {len(vocab)} most frequent labels ("
             f"{label_coverage(train_ex, vocab):.2%} of the training labels), served as d2t")
     if vocab is not None and draft_vocab is None:
         log(f"loss vocabulary: {len(vocab)} of {lm_head_w.shape[0]} tokens (those in the "
             f"training sequences)")
+    return vocab, draft_vocab
 
+
+def new_run(out: Path, cfg: TrainerSettings, dcfg: DFlashConfig, data: TrainData, vocabs,
+            train_samples: Sequence[Sample], log) -> Run:
+    """The drafter (fresh, or init_from's weights), its length head, AdamW and the schedule;
+    with normalize_features the features scaled (by a saved state's scale when resuming)."""
     drafter = DFlashDrafter(dcfg).float()
     length_head = LengthHead(dcfg.hidden_size).float() if cfg.length_head else None
     if cfg.init_from is not None:
         _init_from(cfg.init_from, dcfg, drafter, length_head)
         log(f"weights: from {cfg.init_from}")
-    params = list(drafter.parameters()) + (list(length_head.parameters()) if length_head is not None else [])
+    params = list(drafter.parameters()) + (list(length_head.parameters())
+                                           if length_head is not None else [])
     opt = make_optimizer(params, cfg.lr, cfg.weight_decay)
-    lengths = [len(e.ids) for e in train_ex]
-    per_epoch = math.ceil(len(train_ex) / cfg.batch_size)
-    total = cfg.max_steps or per_epoch * cfg.epochs
+    per_epoch = math.ceil(len(data.train) / cfg.batch_size)
+    total = cfg.steps or per_epoch * cfg.epochs
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(cfg, total))
-
+    state_path = out / STATE_DIR / "state.pt"
     scale = None
     if cfg.normalize_features:
-        st_path = state_dir / "state.pt"
-        scale = (torch.load(st_path, weights_only=False)["feature_scale"] if st_path.is_file()
-                 else feature_scale(train_ex, seed=cfg.seed))
-        scale_features(train_ex + held_ex, scale)
-        log(f"features: normalised per dimension (RMS before: median {float((1 / scale).median()):.2f},"
-            f" max {float((1 / scale).max()):.1f}), folded into fc at export")
-
+        scale = (torch.load(state_path, weights_only=False)["feature_scale"]
+                 if state_path.is_file() else feature_scale(data.train, seed=cfg.seed))
+        scale_features(data.train + data.held, scale)
+        log(f"features: normalised per dimension (RMS before: median "
+            f"{float((1 / scale).median()):.2f}, max {float((1 / scale).max()):.1f}), folded "
+            f"into fc at export")
     run_key = hashlib.sha256(json.dumps(
-        {"cfg": cfg.to_json(), "dcfg": dcfg.to_hf_dict(), "data": _samples_key(train_samples, {})},
-        sort_keys=True).encode()).hexdigest()[:16]
-    step, evals, window = 0, [], []  # window: step stats since the last train_log row
-    state_path = state_dir / "state.pt"
-    if state_path.is_file():
-        st = torch.load(state_path, weights_only=False)
-        if st.get("run_key") != run_key:
-            raise ValueError(f"{out} holds a training run with other settings or data; "
-                             f"use a new --out or delete {state_dir}")
-        drafter.load_state_dict(st["drafter"])
-        if length_head is not None:
-            length_head.load_state_dict(st["length_head"])
-        opt.load_state_dict(st["optimizer"])
-        sched.load_state_dict(st["scheduler"])
-        step, evals, window = st["step"], st["evals"], st["window"]
-        torch.set_rng_state(st["torch_rng"])
-        random.setstate(st["py_rng"])
-        _truncate_log(out / LOG_FILE, step)  # rows logged after the save are redone
-        log(f"resumed at step {step}/{total} from {state_path}")
-    else:
-        (out / LOG_FILE).unlink(missing_ok=True)
+        {"cfg": cfg.trainer_json(), "dcfg": dcfg.to_hf_dict(),
+         "data": _samples_key(train_samples, {})}, sort_keys=True).encode()).hexdigest()[:16]
+    return Run(out, cfg, cfg.loss, dcfg, data, drafter, length_head, params, opt, sched,
+               *vocabs, scale, total, per_epoch, run_key, log)
 
-    def save_state() -> None:
-        _atomic_save({"run_key": run_key, "step": step, "evals": evals, "window": window,
-                      "drafter": drafter.state_dict(),
-                      "length_head": length_head.state_dict() if length_head is not None else None,
-                      "optimizer": opt.state_dict(), "scheduler": sched.state_dict(),
-                      "feature_scale": scale,
-                      "loss_vocab_ids": vocab.ids if vocab is not None else None,
-                      "torch_rng": torch.get_rng_state(), "py_rng": random.getstate()}, state_path)
 
-    def run_eval(epoch: int) -> None:
-        if not held_ex:
-            return
-        t1 = time.perf_counter()
-        ev = evaluate(drafter, length_head, held_ex, embed_w, lm_head_w, cfg,
-                      draft_vocab=draft_vocab)
-        if step >= total:  # the served-like figure, once (walk_eval's docstring)
-            ev.update(walk_eval(drafter, held_ex, embed_w, lm_head_w, cfg.loss,
-                                draft_vocab=draft_vocab))
-            log(f"step {step}: held-out acceptance walking the answers as serving does "
+def resume(run: Run) -> None:
+    """Continue from the saved state, refused when its settings or data differ; without one,
+    a new train_log."""
+    if not run.state_path.is_file():
+        (run.out / LOG_FILE).unlink(missing_ok=True)
+        return
+    st = torch.load(run.state_path, weights_only=False)
+    if st.get("run_key") != run.run_key:
+        raise ValueError(f"{run.out} holds a training run with other settings or data; "
+                         f"use a new --out or delete {run.out / STATE_DIR}")
+    run.drafter.load_state_dict(st["drafter"])
+    if run.length_head is not None:
+        run.length_head.load_state_dict(st["length_head"])
+    run.opt.load_state_dict(st["optimizer"])
+    run.sched.load_state_dict(st["scheduler"])
+    run.step, run.evals, run.window = st["step"], st["evals"], st["window"]
+    torch.set_rng_state(st["torch_rng"])
+    random.setstate(st["py_rng"])
+    _truncate_log(run.out / LOG_FILE, run.step)  # rows logged after the save are redone
+    run.log(f"resumed at step {run.step}/{run.total} from {run.state_path}")
+
+
+def save_state(run: Run) -> None:
+    _atomic_save({"run_key": run.run_key, "step": run.step, "evals": run.evals,
+                  "window": run.window, "drafter": run.drafter.state_dict(),
+                  "length_head": (run.length_head.state_dict()
+                                  if run.length_head is not None else None),
+                  "optimizer": run.opt.state_dict(), "scheduler": run.sched.state_dict(),
+                  "feature_scale": run.scale,
+                  "loss_vocab_ids": run.vocab.ids if run.vocab is not None else None,
+                  "torch_rng": torch.get_rng_state(), "py_rng": random.getstate()},
+                 run.state_path)
+
+
+def run_meta(run: Run, meta: dict | None) -> dict:
+    """train_meta.json: the caller's keys, then the data, the drafter's shape and settings."""
+    d = run.data
+    return {**(meta or {}), "train_sequences": len(d.train),
+            "train_tokens": sum(len(e.ids) for e in d.train),
+            "train_response_tokens": _response_tokens(d.train), "heldout_sequences": len(d.held),
+            "heldout_response_tokens": _response_tokens(d.held),
+            "loss_vocab_size": len(run.vocab) if run.vocab is not None else int(d.lm_head_w.shape[0]),
+            "num_speculative_tokens": run.dcfg.num_draft_tokens,
+            "block_size": run.dcfg.block_size, "target_layer_ids": run.dcfg.target_layer_ids,
+            "drafter_parameters": run.drafter.num_parameters(), "steps_total": run.total,
+            "train_config": run.cfg.trainer_json()}
+
+
+def run_eval(run: Run, epoch: float) -> None:
+    """Held-out acceptance now (after the last step also the served-like walk), logged."""
+    d = run.data
+    if not d.held:
+        return
+    t1 = time.perf_counter()
+    ev = evaluate(run.drafter, run.length_head, d.held, d.embed_w, d.lm_head_w, run.cfg,
+                  draft_vocab=run.draft_vocab)
+    if run.step >= run.total:  # the served-like figure, once (walk_eval's docstring)
+        ev.update(walk_eval(run.drafter, d.held, d.embed_w, d.lm_head_w, run.loss,
+                            draft_vocab=run.draft_vocab))
+        run.log(f"step {run.step}: held-out acceptance walking the answers as serving does "
                 f"{ev['walk_acceptance']:.3f} tokens/step ({ev['walk_steps']} steps)")
-        # Response tokens of the sequences trained on so far (repeats counted): the learning
-        # curve's x axis within one run.
-        ev.update(epoch=epoch, step=step, eval_s=round(time.perf_counter() - t1, 1),
-                  response_tokens_seen=round(step / per_epoch * n_resp))
-        evals.append(ev)
-        _log(out, {"event": "eval", **ev})
-        log(f"epoch {epoch} step {step}: held-out acceptance {ev['acceptance']:.3f} tokens/step "
-            f"(accepted {ev['accepted']:.3f} of {k}, {ev['blocks']} blocks), loss {ev['loss']:.3f}, "
-            f"match@1 {ev['match'][0]:.3f} [{ev['eval_s']:.0f} s]")
+    # Response tokens of the sequences trained on so far (repeats counted): the learning
+    # curve's x axis within one run.
+    ev.update(epoch=epoch, step=run.step, eval_s=round(time.perf_counter() - t1, 1),
+              response_tokens_seen=round(run.step / run.per_epoch * _response_tokens(d.train)))
+    run.evals.append(ev)
+    _log(run.out, {"event": "eval", **ev})
+    run.log(f"epoch {epoch} step {run.step}: held-out acceptance {ev['acceptance']:.3f} "
+            f"tokens/step (accepted {ev['accepted']:.3f} of {run.dcfg.num_draft_tokens}, "
+            f"{ev['blocks']} blocks), loss {ev['loss']:.3f}, match@1 {ev['match'][0]:.3f} "
+            f"[{ev['eval_s']:.0f} s]")
 
-    meta = dict(meta or {})
-    meta.update(train_sequences=len(train_ex), train_tokens=n_tok, train_response_tokens=n_resp,
-                heldout_sequences=len(held_ex),
-                heldout_response_tokens=sum(len(e.ids) - e.start for e in held_ex),
-                loss_vocab_size=len(vocab) if vocab is not None else int(lm_head_w.shape[0]),
-                num_speculative_tokens=k, block_size=dcfg.block_size,
-                target_layer_ids=dcfg.target_layer_ids, drafter_parameters=drafter.num_parameters(),
-                steps_total=total, train_config=cfg.to_json())
 
-    t_train, t_eval0 = time.perf_counter(), 0.0
-    if step == 0 and not evals:
-        t1 = time.perf_counter()
-        run_eval(0)
-        t_eval0 = time.perf_counter() - t1
-    drafter.train()
+def take_step(run: Run, batch: list[int]) -> None:
+    cfg, d = run.cfg, run.data
+    st, gnorm = train_step(run.drafter, collate([d.train[i] for i in batch]),
+                           cfg.anchors_per_seq, cfg.seed * 1_000_003 + run.step, d.embed_w,
+                           d.lm_head_w, run.opt, run.params, loss_cfg=run.loss,
+                           grad_clip=cfg.grad_clip, length_head=run.length_head,
+                           vocab=run.vocab, compute_dtype=getattr(torch, cfg.compute_dtype))
+    run.sched.step()
+    run.step += 1
+    run.window.append({**st.as_dict(), "grad_norm": float(gnorm)})
+
+
+def train_row(run: Run, elapsed_s: float) -> dict:
+    """train_log.jsonl's row for the steps since the last one: their stats' weighted means."""
+    w = run.window
+    return {"event": "train", "step": run.step, "epoch": run.step / run.per_epoch,
+            "lr": run.opt.param_groups[0]["lr"],
+            **{key: round(_weighted(w, key, weight), 5) for key, weight in (
+                ("loss", "rows"), ("distill", "rows"), ("length", "blocks"),
+                ("accepted", "full_blocks"), ("match_1", "rows"), ("grad_norm", "rows"))},
+            "rows": int(sum(x["rows"] for x in w)),  # supervised draft rows
+            "elapsed_s": round(elapsed_s, 1)}
+
+
+def export(run: Run, folder: Path) -> None:
+    export_drafter(folder, run.dcfg, run.drafter, run.length_head, run.scale, run.draft_vocab)
+
+
+def checkpoint(run: Run, last_save: float) -> float:
+    """After a step: the extra evaluation and snapshot (eval_every); at an epoch's end or the
+    last step the evaluation, the exported drafter and the state; else the state every
+    save_every_s. Returns when the state was last saved."""
+    cfg, step, per_epoch = run.cfg, run.step, run.per_epoch
+    if cfg.eval_every and step % cfg.eval_every == 0 and step % per_epoch and step < run.total:
+        run_eval(run, step / per_epoch)
+        export(run, _snapshot_dir(run.out, step))
+    if step % per_epoch == 0 or step == run.total:
+        run_eval(run, math.ceil(step / per_epoch))
+        if cfg.eval_every:
+            export(run, _snapshot_dir(run.out, step))
+        export(run, run.out)
+        save_state(run)
+        return time.perf_counter()
+    if time.perf_counter() - last_save > cfg.save_every_s:
+        save_state(run)
+        return time.perf_counter()
+    return last_save
+
+
+def train_loop(run: Run, stop_after: int | None, t_train: float) -> bool:
+    """Steps to the last one, or to `stop_after` with the state saved (as a crash would leave
+    it); True when stopped early. Batches are a function of (seed, epoch): a resumed run takes
+    the steps the uninterrupted one would have."""
+    cfg, lengths = run.cfg, [len(e.ids) for e in run.data.train]
     last_save = time.perf_counter()
-    bar = tqdm(total=total, initial=step, desc="train", unit="step", leave=False)
+    bar = tqdm(total=run.total, initial=run.step, desc="train", unit="step", leave=False)
     stopped = False
-    while step < total and not stopped:
-        epoch, pos = divmod(step, per_epoch)
-        batches = epoch_batches(lengths, cfg.batch_size, cfg.seed, epoch)
-        for b in batches[pos:]:
-            st, gnorm = train_step(drafter, collate([train_ex[i] for i in b]),
-                                   cfg.anchors_per_seq, cfg.seed * 1_000_003 + step, embed_w,
-                                   lm_head_w, opt, params, loss_cfg=cfg.loss,
-                                   grad_clip=cfg.grad_clip, length_head=length_head, vocab=vocab,
-                                   compute_dtype=getattr(torch, cfg.compute_dtype))
-            sched.step()
-            step += 1
-            window.append({**st.as_dict(), "grad_norm": float(gnorm)})
+    while run.step < run.total and not stopped:
+        epoch, pos = divmod(run.step, run.per_epoch)
+        for batch in epoch_batches(lengths, cfg.batch_size, cfg.seed, epoch)[pos:]:
+            take_step(run, batch)
             bar.update()
-            if step % cfg.log_every == 0 or step == total:
-                row = {"event": "train", "step": step, "epoch": step / per_epoch,
-                       "lr": opt.param_groups[0]["lr"],
-                       **{key: round(_weighted(window, key, w), 5) for key, w in (
-                           ("loss", "rows"), ("distill", "rows"), ("length", "blocks"),
-                           ("accepted", "full_blocks"), ("match_1", "rows"),
-                           ("grad_norm", "rows"))},
-                       "rows": int(sum(w["rows"] for w in window)),  # supervised draft rows
-                       "elapsed_s": round(time.perf_counter() - t_train, 1)}
-                _log(out, row)
+            if run.step % cfg.log_every == 0 or run.step == run.total:
+                row = train_row(run, time.perf_counter() - t_train)
+                _log(run.out, row)
                 bar.set_postfix(loss=f"{row['loss']:.3f}", acc=f"{row['accepted'] + 1:.2f}")
-                window.clear()
-            if cfg.eval_every and step % cfg.eval_every == 0 and step % per_epoch and step < total:
-                run_eval(step / per_epoch)
-                export_drafter(_snapshot_dir(out, step), dcfg, drafter, length_head, scale,
-                               draft_vocab)
-            if step % per_epoch == 0 or step == total:
-                run_eval(math.ceil(step / per_epoch))
-                if cfg.eval_every:
-                    export_drafter(_snapshot_dir(out, step), dcfg, drafter, length_head, scale,
-                               draft_vocab)
-                export_drafter(out, dcfg, drafter, length_head, scale, draft_vocab)
-                save_state()
-                last_save = time.perf_counter()
-            elif time.perf_counter() - last_save > cfg.save_every_s:
-                save_state()
-                last_save = time.perf_counter()
-            if stop_after is not None and step >= stop_after:
-                save_state()
-                stopped = True
-            if step >= total or stopped:
+                run.window.clear()
+            last_save = checkpoint(run, last_save)
+            stopped = stop_after is not None and run.step >= stop_after
+            if stopped:
+                save_state(run)
+            if run.step >= run.total or stopped:
                 break
     bar.close()
+    return stopped
+
+
+def train(target_path: str, train_samples: Sequence[Sample], heldout_samples: Sequence[Sample],
+          out: str | os.PathLike, cfg: TrainerSettings, *, target: nn.Module | None = None,
+          stop_after: int | None = None, meta: dict | None = None,
+          examples: tuple[Sequence[Example], Sequence[Example]] | None = None,
+          log: Callable[[str], None] = print) -> TrainResult:
+    """Train (or resume) a drafter in `out`; returns when done or after `stop_after` steps.
+
+    `cfg.mask_token_id`: an int (training.cli.pick_mask_token resolves 'auto').
+    `target`: an already loaded HF target (tests); by default loaded from target_path.
+    `stop_after`: stop early after this global step, as a crash would (state is saved).
+    `examples`: (train, held-out) features already computed (feature shards), matching the
+    samples one to one; then the target is loaded only for its embedding and LM head.
+    """
+    from transformers import AutoConfig
+
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    timings: dict[str, float] = {}
+    torch.manual_seed(cfg.seed)
+    tcfg = target.config if target is not None else AutoConfig.from_pretrained(target_path)
+    dcfg = drafter_config(tcfg, cfg)
+    if not train_samples:
+        raise ValueError("no training samples")
+    data = load_data(target_path, target, train_samples, heldout_samples, cfg, dcfg, examples,
+                     out / STATE_DIR, timings, log)
+    add_labels_and_anchors(cfg, dcfg.num_draft_tokens, data, timings, log)
+    run = new_run(out, cfg, dcfg, data, loss_vocabs(cfg, data, tcfg, log), train_samples, log)
+    resume(run)
+    meta = run_meta(run, meta)
+    t_train, t_eval0 = time.perf_counter(), 0.0
+    if run.step == 0 and not run.evals:
+        run_eval(run, 0)
+        t_eval0 = time.perf_counter() - t_train
+    run.drafter.train()
+    stopped = train_loop(run, stop_after, t_train)
     timings["train_s"] = time.perf_counter() - t_train - t_eval0
-    timings["eval_s"] = sum(e.get("eval_s", 0) for e in evals)
+    timings["eval_s"] = sum(e.get("eval_s", 0) for e in run.evals)
     if not stopped:
-        meta.update(evals=evals, timings={**meta.get("timings", {}), **timings})
+        meta.update(evals=run.evals, timings={**meta.get("timings", {}), **timings})
         (out / META_FILE).write_text(json.dumps(meta, indent=2) + "\n")
-    return TrainResult(out=out, steps=step, evals=evals, timings=timings, drafter=drafter,
-                       length_head=length_head, config=dcfg)
+    return TrainResult(out=out, steps=run.step, evals=run.evals, timings=timings,
+                       drafter=run.drafter, length_head=run.length_head, config=dcfg)
