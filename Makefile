@@ -6,7 +6,7 @@ CLI    := $(VENV)/bin/vllm-onlinespec
 STAMP  := $(VENV)/.setup-stamp
 export VLLM_ONLINESPEC_CACHE ?= $(HOME)/.cache/vllm-onlinespec
 
-.PHONY: setup model demo variant test test-fast lab-test clean
+.PHONY: setup model demo variant test test-fast lab-test device-wheels clean
 setup: $(STAMP)
 
 $(STAMP): pyproject.toml Makefile
@@ -54,6 +54,20 @@ test-fast: setup
 # The lab's own checks: the one-off research scripts beside the package (lab/) and their reports.
 lab-test: setup
 	$(PY) -m pytest -q -ra lab/tests
+
+# The wheels lab/gpu_check.sh installs on the GPU machine, which has no pydantic and no package
+# registry: pydantic and its dependencies at the versions installed in .venv, for CPython 3.12 on
+# x86-64 Linux, into .whl/ (git-ignored: carry it with the working tree to the device).
+DEVICE_WHEELS := pydantic pydantic_core annotated_types typing_inspection typing_extensions
+device-wheels: setup
+	rm -rf .whl && mkdir -p .whl
+	for n in $(DEVICE_WHEELS); do \
+	  v=$$($(PY) -c 'import importlib.metadata as m, sys; print(m.version(sys.argv[1]))' $$n) \
+	  && python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
+	    --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
+	    --platform manylinux2014_x86_64 -d .whl "$$n==$$v" || exit 1; \
+	done
+	ls .whl
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -1,283 +1,342 @@
-"""The GPU checks of /work/shared/gpu/README.md, without vLLM.
+"""The GPU checks, without vLLM (docs/gpu.md "Checking a GPU"; lab/design/gpu_path.md).
 
-    PYTHONPATH=. python lab/gpu_check.py            # on the GPU machine (lab/gpu_check.sh)
-    PYTHONPATH=. python lab/gpu_check.py --smoke    # tiny shapes on the CPU (tests/test_gpu_check.py)
+    lab/gpu_check.sh                        # on the GPU machine: every step -> $OUT
+    lab/gpu_check.sh --smoke --out DIR      # CPU, tiny shapes (tests/test_gpu_check.py)
+    python3 lab/gpu_check.py --step B --out DIR [--smoke]   # one step -> DIR/steps/B.json
+    python3 lab/gpu_check.py --report --out DIR             # -> DIR/gpu_check.{json,md}
 
-1. kernels: tests/test_kernels.py on the real GPU (TRITON_INTERPRET unset, so Triton compiles
-   for the device; the tests pick CUDA when it is available).
-2. loss: fused Triton loss vs the PyTorch reference (and the chunked one) for a Qwen3-8B-shaped
-   drafter (h 4096, V 151936, blocks of 16): time per forward+backward, peak memory.
-3. learner: online updates of a Qwen3-8B-shaped DFlash drafter (5 layers, random weights)
-   built by build_learner on the GPU, bf16 and float32 learners, on 128 sequences of 512 tokens
-   of fake features (4 blocks per sequence), beside a stand-in KV cache: after the learner is
-   built (its state reserved, as serving builds it before vLLM profiles memory), a dummy
-   allocation takes 90 % of the device less what is allocated, as vLLM's KV cache would, and
-   the updates run in what is left (a learner `check_fits` refuses is reported as refused).
-   Time per update and per snapshot (CUDA events), publish time (the device-to-device copy of
-   the snapshot into a second drafter standing in for vLLM's, on another stream after
-   Snapshot.wait_ready), peak memory, the footprint the learner stated.
-4. feedback copy: one step's committed rows (aux features of 5 target layers, final hidden
-   states, ids) copied out of the runner's buffers by serving/feedback.records_from_step,
-   synchronously (pageable) and asynchronously (pinned, handed on by FeedbackPipe a step later):
-   the host time each call holds the serving thread, and the async records equal the sync ones.
-5. graphs (CUDA only): two graphs captured in one memory pool, the first's output kept as a
-   non-owning alias (as vLLM keeps its outputs): does the second's replay overwrite it, and is a
-   copy taken between the replays right; and weights copied in place into a captured graph's
-   parameters on another stream: does the next replay use them.
+Each step runs in its own process (gpu_check.sh), timed and time-boxed: one that fails, or
+breaks its CUDA context, hides nothing of the others.
 
-Writes <out>/gpu.json and <out>/gpu.md (default docs/results; with --smoke a temporary
-folder). Any failed check makes the exit
-status non-zero, after the other checks ran. What the device image lacks (vLLM, pydantic) is
-blocked on import for the whole run, here too: the smoke run imports what the device run can.
+A kernels      tests/test_kernels.py on the device (TRITON_INTERPRET unset: Triton compiles for
+               it), then the fused loss against the PyTorch reference at two vocabulary sizes
+               (the target's and a reduced draft vocabulary), all-bf16 inputs and float32
+               states with the bf16 head (the default float32 learner's case): loss and gradient
+               error, time, peak memory.
+B memory       start-up at real sizes, in vLLM's order: a bf16 stand-in of Qwen3-8B's size (its
+               embedding and LM head at their real shapes, filler for the rest) and vLLM's
+               drafter (the z-lab Qwen3-8B DFlash shape) are loaded; the real build_learner and
+               check_fits run in float32 and in bf16; a KV-cache stand-in takes what vLLM would
+               (gpu_memory_utilization x total minus what was consumed since start-up); then
+               serving-sized updates (the blocks one update takes at the defaults), each
+               published in place into vLLM's drafter: peak memory and headroom.
+C concurrency  a serving loop replays a captured target stand-in and a captured drafter (the
+               DFlash twin at the z-lab shape, vLLM's drafter's stand-in), feeds the real
+               feedback stage (serving/feedback.py) into the real learner, whose thread trains
+               and publishes; each publish is copied in place into the captured drafter's
+               weights, and the first replay after it is checked against an eager forward of
+               that snapshot. Step time with the learner off and on, updates/s, publish time.
+D graphs       a CUDA graph captured while the learner updates on its thread (vLLM captures in
+               its warm-up; the session starts the learner after it: serving/session.py); and
+               two graphs in one memory pool (does the first's output survive the second's
+               replay? is a copy taken between them right?).
+
+The device image has no vLLM: it is refused on import here too, so the CPU smoke run imports
+only what the device run can. pydantic is there (gpu_check.sh installs the wheels carried in
+.whl/, `make device-wheels`).
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
+import contextlib
+import gc
 import json
 import os
 import platform
 import statistics
 import subprocess
 import sys
-import tempfile
+import threading
 import time
 import traceback
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-
-
-# What the device image lacks (/work/.library/device/KINDS.md: Python 3.12, torch, Triton,
-# transformers, safetensors; no vLLM, no pydantic): refused here on every machine, so the CPU
-# smoke run imports what the device run can (config.py falls back to _pydantic_lite.py).
-ABSENT_ON_DEVICE = ("vllm", "pydantic", "pydantic_core", "annotated_types")
-# What the checks import (step [0] of gpu_check.sh imports each one first).
-CHECKED_MODULES = ("vllm_onlinespec.kernels", "vllm_onlinespec.config", "vllm_onlinespec.learner",
-                   "vllm_onlinespec.learner.factory", "vllm_onlinespec.learner.batches",
-                   "vllm_onlinespec.learner.timing", "vllm_onlinespec.training.blocks",
-                   "vllm_onlinespec.drafter", "vllm_onlinespec.serving.feedback")
+STEPS = {"A": "kernels", "B": "memory", "C": "concurrency", "D": "graphs"}
+GIB, MIB = 1024 ** 3, 1024 ** 2
 
 
 class _NoVllm:
-    """A meta-path finder that refuses what the device image lacks: the core must run there."""
+    """A meta-path finder that refuses vLLM: the core must run on the device image without it."""
 
     def find_spec(self, name, path=None, target=None):
-        if name.split(".")[0] in ABSENT_ON_DEVICE:
-            raise ImportError(f"gpu_check: {name} imported, but the device image has no "
-                              f"{name.split('.')[0]}")
+        if name.split(".")[0] == "vllm":
+            raise ImportError(f"gpu_check: {name} imported, but the device image has no vllm")
         return None
 
 
-def block_vllm() -> None:
-    if not any(isinstance(f, _NoVllm) for f in sys.meta_path):
-        sys.meta_path.insert(0, _NoVllm())
-
-
-def check_imports() -> int:
-    """Step [0]: import every module the checks use with the device image's gaps refused. On
-    failure: which module, the exception, and the import chain inside this repository."""
-    import importlib
-
-    failed = 0
-    for mod in CHECKED_MODULES:
-        try:
-            importlib.import_module(mod)
-        except Exception as e:  # noqa: BLE001 - reported with its chain
-            failed += 1
-            chain = [f"{Path(f.filename).resolve().relative_to(REPO)}:{f.lineno}"
-                     for f in traceback.extract_tb(e.__traceback__)
-                     if Path(f.filename).resolve().is_relative_to(REPO)]
-            say(f"gpu_check: [0] cannot import {mod}: {type(e).__name__}: {e}"
-                + (f" (via {' -> '.join(chain)})" if chain else ""))
-    if failed:
-        say(f"gpu_check: [0] {failed} of {len(CHECKED_MODULES)} modules do not import without "
-            f"{', '.join(ABSENT_ON_DEVICE)} (absent on the device image)")
-        return 3
-    say(f"[0] imports without {', '.join(ABSENT_ON_DEVICE)}: ok")
-    return 0
-
-
-block_vllm()
+if not any(isinstance(f, _NoVllm) for f in sys.meta_path):
+    sys.meta_path.insert(0, _NoVllm())
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 import torch  # noqa: E402
 
+QWEN3_8B_DFLASH = dict(  # z-lab/Qwen3-8B-DFlash-b16
+    hidden_size=4096, intermediate_size=12288, num_hidden_layers=5, num_attention_heads=32,
+    num_key_value_heads=8, head_dim=128, vocab_size=151936, target_layer_ids=[1, 9, 17, 25, 33],
+    mask_token_id=151669, block_size=16, rope_theta=1_000_000.0, torch_dtype="bfloat16")
+TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=16, vocab_size=1000, target_layer_ids=[0, 1],
+            mask_token_id=0, block_size=5, rope_theta=10000.0, torch_dtype="float32")
+
 
 @dataclass
 class Shapes:
-    """What each check runs on (full = the README's Qwen3-8B shapes; smoke = tiny, CPU)."""
+    """What each step runs on: FULL = the Qwen3-8B pair on one GPU; SMOKE = tiny, on the CPU."""
 
     device: str
+    # A
+    kernel_test_args: list[str]
+    kernel_test_s: float
     loss_h: int
-    loss_v: int
+    loss_vocabs: list[int]
     loss_ns: list[int]
     loss_impls: list[str]
-    loss_dtype: str
+    loss_inputs: list[str]
     loss_reps: int
+    # B, C: the drafter (vLLM's and the learner's) and the target beside it
     drafter: dict
-    seqs: int
-    seq_len: int
-    anchors: int
+    target_bytes: int  # the bf16 target's weights (B's stand-in: embedding, head, filler)
+    target_layers: int  # C's captured target stand-in: MLP layers of the target's width
+    target_inter: int
     learner_dtypes: list[str]
+    windows: int  # an update's batch at the defaults: batch_blocks 16 / anchors_per_request 4
+    window_tokens: int  # buffer.window_tokens
+    anchors: int  # anchors_per_request
     updates: int
-    kernel_test_args: list[str]
-    utilization: float = 0.9  # the share of the device vLLM's KV cache is sized to (its default)
+    requests: int  # C's running batch
+    ctx_tokens: int  # C's drafter context per request
+    off_s: float  # C: serving alone, then with the learner
+    on_s: float
+    # D
+    small_drafter: dict
+    utilization: float = 0.9  # vLLM's gpu_memory_utilization default
 
 
 FULL = Shapes(
-    device="cuda", loss_h=4096, loss_v=151936, loss_ns=[512, 1024, 2048, 4096, 8192],
-    loss_impls=["naive", "triton", "chunked"], loss_dtype="bfloat16", loss_reps=3,
-    drafter=dict(hidden_size=4096, intermediate_size=12288, num_hidden_layers=5,
-                 num_attention_heads=32, num_key_value_heads=8, head_dim=128, vocab_size=151936,
-                 target_layer_ids=[1, 9, 17, 25, 33], mask_token_id=151669, block_size=16,
-                 rope_theta=1_000_000.0, torch_dtype="bfloat16"),
-    seqs=128, seq_len=512, anchors=4, learner_dtypes=["bfloat16", "float32"], updates=3,
-    kernel_test_args=[])
+    device="cuda", kernel_test_args=[], kernel_test_s=90, loss_h=4096, loss_vocabs=[151936, 32768],
+    loss_ns=[240, 4096], loss_impls=["naive", "chunked", "triton"],
+    loss_inputs=["bf16", "fp32 states, bf16 head"], loss_reps=3,
+    drafter=QWEN3_8B_DFLASH, target_bytes=2 * 8_190_735_360, target_layers=36, target_inter=12288,
+    learner_dtypes=["float32", "bfloat16"], windows=4, window_tokens=512, anchors=4, updates=30,
+    requests=8, ctx_tokens=64, off_s=6.0, on_s=15.0,
+    small_drafter=dict(QWEN3_8B_DFLASH, hidden_size=1024, intermediate_size=3072,
+                       num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=2,
+                       vocab_size=32768, mask_token_id=0))
 SMOKE = Shapes(
-    device="cpu", loss_h=64, loss_v=1000, loss_ns=[64, 128], loss_impls=["naive", "chunked"],
-    loss_dtype="float32", loss_reps=1,
-    drafter=dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                 num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=1000,
-                 target_layer_ids=[0, 1], mask_token_id=0, block_size=5, rope_theta=10000.0,
-                 torch_dtype="float32"),
-    seqs=4, seq_len=64, anchors=2, learner_dtypes=["float32"], updates=2,
-    kernel_test_args=["-k", "argument_errors"])
-
-
-@dataclass
-class Report:
-    device: str
-    torch: str
-    triton: str | None
-    python: str
-    smoke: bool
-    kernel_tests: dict = field(default_factory=dict)
-    loss: list[dict] = field(default_factory=list)
-    learner: list[dict] = field(default_factory=list)
-    feedback: list[dict] = field(default_factory=list)
-    graphs: dict = field(default_factory=dict)
-    failures: list[str] = field(default_factory=list)
+    device="cpu", kernel_test_args=["-k", "argument_errors"], kernel_test_s=60, loss_h=64,
+    loss_vocabs=[1000, 300], loss_ns=[64], loss_impls=["naive", "chunked"], loss_inputs=["fp32"],
+    loss_reps=1,
+    drafter=TINY, target_bytes=0, target_layers=2, target_inter=128, learner_dtypes=["float32"],
+    windows=2, window_tokens=64, anchors=2, updates=2, requests=2, ctx_tokens=16, off_s=0.5,
+    on_s=3.0, small_drafter=TINY)
 
 
 def say(*a) -> None:
     print(*a, flush=True)
 
 
-# ------------------------------------------------------------------------------ 1. kernel tests
+class Result:
+    """One step's figures and failures, written to <out>/steps/<X>.json however the step ends."""
 
-def check_kernel_tests(s: Shapes, rep: Report) -> None:
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    if s.device == "cuda":
-        env.setdefault("CUDA_VISIBLE_DEVICES", "0")
-    env["PYTHONPATH"] = os.pathsep.join([str(REPO)] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
-    cmd = [sys.executable, "-m", "pytest", "-q", "-m", "not vllm", "-p", "no:cacheprovider",
-           str(REPO / "tests" / "test_kernels.py"), *s.kernel_test_args]
-    say(f"[1] kernel tests: {' '.join(cmd[2:])} (TRITON_INTERPRET unset, "
-        f"CUDA_VISIBLE_DEVICES={env.get('CUDA_VISIBLE_DEVICES')})")
-    t0 = time.perf_counter()
-    r = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True)
-    tail = (r.stdout + r.stderr).strip().splitlines()
-    summary = tail[-1] if tail else "?"
-    rep.kernel_tests = dict(rc=r.returncode, summary=summary, seconds=round(time.perf_counter() - t0, 1))
-    say("\n".join(tail[-15:]))
-    if r.returncode != 0:
-        rep.failures.append(f"kernel tests: {summary}")
+    def __init__(self, step: str, s: Shapes) -> None:
+        self.step, self.s = step, s
+        self.data: dict = {}
+        self.failures: list[str] = []
+        self.part_failed = False
+
+    def fail(self, what: str) -> None:
+        say(f"[{self.step}] FAILED: {what}")
+        self.failures.append(what)
+
+    @contextlib.contextmanager
+    def part(self, name: str):
+        """A sub-check: its exception is a failure of this step, and the next part still runs
+        (`part_failed` tells whether it did)."""
+        t0, self.part_failed = time.perf_counter(), False
+        say(f"[{self.step}] {name} ...")
+        try:
+            yield
+        except Exception as e:  # noqa: BLE001 - reported; the step goes on
+            traceback.print_exc()
+            self.part_failed = True
+            self.fail(f"{name}: {type(e).__name__}: {_line(e)}")
+            _free()
+        finally:
+            self.data.setdefault("part_seconds", {})[name] = round(time.perf_counter() - t0, 1)
 
 
-# ------------------------------------------------------------------------------ 2. loss
+def _line(e: BaseException) -> str:
+    """An exception's first line (Triton and CUDA errors run to pages)."""
+    return (str(e).strip().splitlines() or [""])[0][:300]
 
-def check_loss(s: Shapes, rep: Report) -> None:
+
+def _free() -> None:
+    gc.collect()
+    if torch.cuda.is_available():
+        try:
+            torch.cuda.synchronize()
+            torch.cuda.empty_cache()
+        except Exception as e:  # noqa: BLE001 - a broken context: the next CUDA call says so
+            say(f"    (could not free device memory: {_line(e)})")
+
+
+def _randn(rows: int, cols: int, dev: torch.device, dtype: torch.dtype, seed: int,
+           std: float = 0.02) -> torch.Tensor:
+    """Random weights made on the device (fast), in `dtype`."""
+    g = torch.Generator(device=dev).manual_seed(seed)
+    return (torch.randn(rows, cols, generator=g, device=dev) * std).to(dtype)
+
+
+def _mib(x) -> float | None:
+    return None if x is None else round(x / MIB, 1)
+
+
+def _median(xs) -> float | None:
+    xs = [x for x in xs if x == x]
+    return round(statistics.median(xs), 3) if xs else None
+
+
+# ------------------------------------------------------------------------------ A. kernels
+
+def step_kernels(s: Shapes, r: Result) -> None:
+    with r.part("kernel tests"):
+        env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+        if s.device == "cpu":
+            env["TRITON_INTERPRET"] = "1"  # the test suite's own setting without a GPU
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
+        cmd = [sys.executable, "-m", "pytest", "-q", "-m", "not vllm", "-p", "no:cacheprovider",
+               str(REPO / "tests" / "test_kernels.py"), *s.kernel_test_args]
+        t0 = time.perf_counter()
+        try:  # time-boxed, so that the loss check keeps its share of the step's time
+            p = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True,
+                               timeout=s.kernel_test_s)
+        except subprocess.TimeoutExpired as e:
+            out = (e.stdout or b"").decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
+            out += f"\ntimed out after {s.kernel_test_s} s"
+            p = subprocess.CompletedProcess(cmd, 124, out, "")
+        tail = (p.stdout + p.stderr).strip().splitlines()
+        say("\n".join(tail[-15:]))
+        r.data["kernel_tests"] = dict(rc=p.returncode, summary=tail[-1] if tail else "?",
+                                      seconds=round(time.perf_counter() - t0, 1))
+        if p.returncode != 0:
+            r.fail(f"kernel tests: {r.data['kernel_tests']['summary']}")
+    with r.part("loss check"):
+        check_loss(s, r)
+
+
+def _loss_inputs(n: int, w: torch.Tensor, kind: str):
+    """Drafter and target states [n, h] near each other (kernels/bench_distill.py's inputs),
+    in the dtype `kind` names, one row in 7 masked; w: the head [V, h]."""
+    dev, h = w.device, w.shape[1]
+    g = torch.Generator(device=dev).manual_seed(n)
+    ht = torch.randn(n, h, generator=g, device=dev)
+    hd = ht + 0.7 * torch.randn(n, h, generator=g, device=dev)
+    states = torch.bfloat16 if kind == "bf16" else torch.float32
+    pw = torch.ones(n, device=dev)
+    pw[::7] = 0.0
+    return hd.to(states), ht.to(states), pw
+
+
+def check_loss(s: Shapes, r: Result) -> None:
+    """Every implementation against the naive PyTorch reference: loss (relative) and gradient
+    (relative to the reference's largest entry), time per forward + backward, peak memory."""
+    from vllm_onlinespec.kernels import distill_loss
     from vllm_onlinespec.learner.timing import Timer
 
-    bench = _bench_module()
     dev = torch.device(s.device)
     if dev.type == "cuda" and "triton" in s.loss_impls:
         from vllm_onlinespec.kernels import distill_triton
 
         if distill_triton.INTERPRETED:
-            raise RuntimeError("Triton kernels are interpreted on a GPU run: unset TRITON_INTERPRET")
-    dtype = bench.DTYPES[s.loss_dtype]
-    say(f"[2] loss: h={s.loss_h} V={s.loss_v} dtype={s.loss_dtype} device={dev}; time = median "
-        f"of {s.loss_reps} fwd+bwd after a warm-up; peak = max allocated minus inputs")
-    say(f"{'N':>6} {'impl':>8} {'ms':>9} {'peak MiB':>9} {'loss':>10} {'max|dgrad-ref|':>15}")
-    for n in s.loss_ns:
-        hd, ht, w, pw = bench.make_inputs(n, s.loss_h, s.loss_v, dtype, dev)
-        ref = None
-        for impl in s.loss_impls:
-            row = dict(n=n, h=s.loss_h, v=s.loss_v, dtype=s.loss_dtype, impl=impl)
-            try:
-                if dev.type == "cuda":
-                    torch.cuda.synchronize()
-                    torch.cuda.empty_cache()
-                    base = torch.cuda.memory_allocated()
-                    torch.cuda.reset_peak_memory_stats()
-                loss, grad = bench.step(impl, hd, ht, w, pw)  # also the warm-up / compile
-                peak = None
-                if dev.type == "cuda":
-                    torch.cuda.synchronize()
-                    peak = (torch.cuda.max_memory_allocated() - base) / 2**20
-                times = []
-                for _ in range(s.loss_reps):
-                    with Timer(dev) as t:
-                        bench.step(impl, hd, ht, w, pw)
-                    times.append(t.ms)
-                diff = None
-                if ref is None:
-                    ref = grad.float()
-                else:
-                    diff = float((grad.float() - ref).abs().max())
-                row.update(ms=statistics.median(times), peak_mib=peak, loss=float(loss),
-                           max_grad_diff_vs_first=diff)
-                if not torch.isfinite(loss):
-                    rep.failures.append(f"loss N={n} {impl}: non-finite loss")
-                del loss, grad
-            except torch.cuda.OutOfMemoryError:
-                row.update(ms=None, peak_mib=None, oom=True)
-                if dev.type == "cuda":
-                    torch.cuda.empty_cache()
-            rep.loss.append(row)
-            say(f"{n:>6} {impl:>8} {_f(row.get('ms'), 9, 2)} {_f(row.get('peak_mib'), 9, 0)} "
-                f"{_f(row.get('loss'), 10, 5)} {_f(row.get('max_grad_diff_vs_first'), 15, 3, e=True)}"
-                + ("  OOM" if row.get("oom") else ""))
-        del hd, ht, w, pw, ref
-    if dev.type == "cuda":
-        torch.cuda.empty_cache()
+            raise RuntimeError("Triton is interpreted on a GPU run: unset TRITON_INTERPRET")
+
+    def step(impl, hd0, ht, w, pw):
+        hd = hd0.detach().clone().requires_grad_(True)
+        loss = distill_loss(hd, ht, w, pw, impl=impl, alpha=0.8, temperature=1.0, mode="reverse_kl")
+        loss.backward()
+        return loss.detach(), hd.grad
+
+    rows = r.data.setdefault("loss", [])
+    for v in s.loss_vocabs:
+        g = torch.Generator(device=dev).manual_seed(v)
+        head = torch.randn(v, s.loss_h, generator=g, device=dev) * (2.0 / s.loss_h ** 0.5)
+        for kind in s.loss_inputs:
+            w = head if kind == "fp32" else head.to(torch.bfloat16)  # the target's bf16 head
+            for n in s.loss_ns:
+                hd, ht, pw = _loss_inputs(n, w, kind)
+                ref = None
+                for impl in s.loss_impls:
+                    row = dict(v=v, n=n, h=s.loss_h, inputs=kind, impl=impl)
+                    try:
+                        _free()
+                        base = torch.cuda.memory_allocated() if dev.type == "cuda" else 0
+                        if dev.type == "cuda":
+                            torch.cuda.reset_peak_memory_stats()
+                        loss, grad = step(impl, hd, ht, w, pw)  # also the compile / warm-up
+                        if dev.type == "cuda":
+                            row["peak_mib"] = _mib(torch.cuda.max_memory_allocated() - base)
+                        times = []
+                        for _ in range(s.loss_reps):
+                            with Timer(dev) as t:
+                                step(impl, hd, ht, w, pw)
+                            times.append(t.ms)
+                        row.update(ms=_median(times), loss=float(loss))
+                        if ref is None:
+                            ref = (loss.float(), grad.float())
+                        else:
+                            scale = float(ref[1].abs().max()) or 1.0
+                            row["loss_rel_err"] = float((loss - ref[0]).abs() / ref[0].abs())
+                            row["grad_err"] = float((grad.float() - ref[1]).abs().max()) / scale
+                            # the kernel tests' bounds for a bf16 head (tf32 dots on a GPU)
+                            ok = (row["loss_rel_err"] <= 5e-3 and torch.allclose(
+                                grad.float(), ref[1], rtol=2e-2, atol=1e-2 * scale))
+                            row["ok"] = bool(ok)
+                            if not ok:
+                                r.fail(f"loss V={v} N={n} {kind} {impl}: loss rel err "
+                                       f"{row['loss_rel_err']:.2e}, grad err {row['grad_err']:.2e}")
+                        if not torch.isfinite(loss):
+                            r.fail(f"loss V={v} N={n} {kind} {impl}: non-finite")
+                        del loss, grad
+                    except torch.cuda.OutOfMemoryError:
+                        row["oom"] = True
+                    rows.append(row)
+                    say(f"    {json.dumps(row)}")
+                del hd, ht, pw, ref
+                _free()
+        del head, w
 
 
-def _bench_module():
-    """kernels/bench_distill.py is a script beside the kernels: load it by path (reused, not
-    copied: its inputs and its fwd+bwd step)."""
-    import importlib.util
+# ------------------------------------------------------------------------------ shared pieces
 
-    spec = importlib.util.spec_from_file_location("bench_distill", REPO / "kernels" / "bench_distill.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+def _drafter(dcfg, dev: torch.device, name: str):
+    """vLLM's drafter stand-in (random weights from a fixed seed, made on the device: a
+    1 B-parameter init on the host is slow; in the checkpoint's dtype, as vLLM loads it) and the
+    same weights as a checkpoint folder for build_learner (written once per run, in the scratch
+    folder gpu_check.sh removes)."""
+    from vllm_onlinespec.drafter import DFlashDrafter, save_drafter
+
+    torch.manual_seed(0)
+    with torch.device(dev):
+        d = DFlashDrafter(dcfg)
+    path = SCRATCH / name
+    if not (path / "config.json").is_file():
+        save_drafter(path, dcfg, d)
+    return path, d.to(getattr(torch, dcfg.torch_dtype)).requires_grad_(False)
 
 
-def _f(x, width, prec, e=False) -> str:
-    if x is None:
-        return f"{'-':>{width}}"
-    return f"{x:>{width}.{prec}e}" if e else f"{x:>{width}.{prec}f}"
-
-
-# ------------------------------------------------------------------------------ 3. learner
-
-def fake_batch(s: Shapes, cfg, device: str, gen: torch.Generator):
-    """seqs x seq_len tokens of fake features; `anchors` blocks per sequence tiling its end (the
-    fresh tokens of an online step), each with its K labels inside the sequence."""
+def _fake_batch(s: Shapes, cfg, dev: torch.device, gen: torch.Generator):
+    """An update's batch at the serving defaults: `windows` requests' recent windows of
+    `window_tokens` tokens of target features, `anchors` blocks each tiling their fresh end."""
     from vllm_onlinespec.learner.batches import BlockBatch
 
-    B, T, K = s.seqs, s.seq_len, cfg.num_draft_tokens
-    F, H = cfg.fc_in_features, cfg.hidden_size
-    dt = torch.bfloat16 if device == "cuda" else torch.float32  # what vLLM captures on each
-    # made on the device (fast), then kept on the host, where the feedback buffer keeps it
-    aux = torch.randn(B, T, F, device=device, dtype=dt).cpu()
-    fin = torch.randn(B, T, H, device=device, dtype=dt).cpu()
+    B, T, K = s.windows, s.window_tokens, cfg.num_draft_tokens
+    dt = torch.bfloat16 if dev.type == "cuda" else torch.float32  # what vLLM captures
+    aux = torch.randn(B, T, cfg.fc_in_features, generator=gen).to(dt)
+    fin = torch.randn(B, T, cfg.hidden_size, generator=gen).to(dt)
     ids = torch.randint(1, cfg.vocab_size, (B, T), generator=gen)
     first = T - 1 - s.anchors * K
     anchors = (first + K * torch.arange(s.anchors)).expand(B, -1).contiguous()
@@ -285,175 +344,466 @@ def fake_batch(s: Shapes, cfg, device: str, gen: torch.Generator):
                       num_fresh=B * s.anchors * K)
 
 
-def check_learner(s: Shapes, rep: Report, workdir: Path) -> None:
+def _publish_in_place(snapshot, params: dict, dev: torch.device):
+    """The snapshot copied into vLLM's drafter's weights in place, on the serving thread's
+    stream after Snapshot.wait_ready (what compat.load_draft_weights does through vLLM's
+    load_weights). Returns a function giving the copy's milliseconds: on CUDA read from events
+    later, so the serving thread does not wait for the copy here."""
+    if dev.type == "cuda":
+        snapshot.wait_ready()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+    t0 = time.perf_counter()
+    with torch.no_grad():
+        for name, tensor in snapshot.items():
+            if name.startswith("drafter."):
+                params[name.removeprefix("drafter.")].copy_(tensor)
+    if dev.type != "cuda":
+        ms = (time.perf_counter() - t0) * 1e3
+        return lambda: ms
+    end.record()
+    return lambda: (end.synchronize(), start.elapsed_time(end))[1]
+
+
+def _learner_cfg(dtype: str, dev: torch.device, **over):
     from vllm_onlinespec.config import OnlineSpecConfig
-    from vllm_onlinespec.drafter import DFlashConfig, DFlashDrafter, save_drafter
-    from vllm_onlinespec.learner.factory import build_learner
-    from vllm_onlinespec.learner.timing import Timer
+
+    return OnlineSpecConfig.from_any({"learner_dtype": dtype, "learner_device": str(dev), **over})
+
+
+# ------------------------------------------------------------------------------ B. memory
+
+def step_memory(s: Shapes, r: Result) -> None:
+    from vllm_onlinespec.drafter import DFlashConfig
 
     dev = torch.device(s.device)
     dcfg = DFlashConfig(**s.drafter)
+    K = dcfg.num_draft_tokens
+    cuda = dev.type == "cuda"
+    init_free, total = torch.cuda.mem_get_info(dev) if cuda else (None, None)
+    r.data["device_total_gib"] = round(total / GIB, 2) if cuda else None
+    with r.part("target and vLLM's drafter"):
+        V, H = dcfg.vocab_size, dcfg.hidden_size
+        embed, head = (_randn(V, H, dev, torch.bfloat16, seed) for seed in (1, 2))
+        rest = max(s.target_bytes - 2 * embed.nbytes, 0)
+        filler = torch.empty(rest, dtype=torch.uint8, device=dev)
+        path, served = _drafter(dcfg, dev, "drafter")
+        params = dict(served.named_parameters())
+        r.data["target_gib"] = round((2 * embed.nbytes + filler.nbytes) / GIB, 2)
+        r.data["vllm_drafter_gib"] = round(sum(p.nbytes for p in params.values()) / GIB, 2)
+    if r.part_failed:
+        return
+    rows = r.data.setdefault("learners", [])
     gen = torch.Generator().manual_seed(0)
-    path = workdir / "drafter"
-    t0 = time.perf_counter()
-    with torch.device(dev):  # random init on the device: a 1 B-parameter init on the host is slow
-        d0 = DFlashDrafter(dcfg).to(getattr(torch, dcfg.torch_dtype))
-    save_drafter(path, dcfg, d0)
-    del d0
-    say(f"[3] learner: drafter {dcfg.num_hidden_layers} layers h={dcfg.hidden_size} "
-        f"written in {time.perf_counter() - t0:.1f} s; {s.seqs} x {s.seq_len} tokens, "
-        f"{s.anchors} blocks of K={dcfg.num_draft_tokens} per sequence")
-    V, H = dcfg.vocab_size, dcfg.hidden_size
-    tdt = torch.bfloat16 if dev.type == "cuda" else torch.float32
-    embed = (torch.randn(V, H, device=dev, dtype=tdt) * 0.02)
-    lm_head = (torch.randn(V, H, device=dev, dtype=tdt) * (2.0 / H**0.5))
+    batches = [_fake_batch(s, dcfg, dev, gen) for _ in range(2)]
+    for dtype in s.learner_dtypes:
+        row: dict = {"learner_dtype": dtype}
+        rows.append(row)
+        with r.part(f"learner {dtype}"):
+            memory_one(s, r, row, dtype, dev, path, embed, head, params, batches, K,
+                       init_free, total)
+        say(f"    {json.dumps(row)}")
+        _free()
+
+
+def memory_one(s, r, row, dtype, dev, path, embed, head, params, batches, K, init_free, total):
+    from vllm_onlinespec.learner.factory import build_learner
     from vllm_onlinespec.learner.memory import check_fits
 
-    for dtype in s.learner_dtypes:
-        row: dict = dict(learner_dtype=dtype, seqs=s.seqs, seq_len=s.seq_len,
-                         blocks=s.seqs * s.anchors, loss_rows=s.seqs * s.anchors * dcfg.num_draft_tokens)
+    cuda = dev.type == "cuda"
+    alloc = (lambda: torch.cuda.memory_allocated(dev)) if cuda else (lambda: 0)
+    _free()
+    before = alloc()
+    t0 = time.perf_counter()
+    parts = build_learner(_learner_cfg(dtype, dev), path, embed, head, K,
+                          train_length_head=False, device=dev)
+    row["build_s"] = round(time.perf_counter() - t0, 1)
+    learner, fp = parts.learner, parts.footprint
+    _free()
+    row.update(loss_impl=learner.loss_fn.impl,
+               params_m=round(sum(p.numel() for p in learner.params) / 1e6, 1),
+               stated_gib=dict(held=round(fp.steady / GIB, 2), built=round(fp.built / GIB, 2),
+                               later=round(fp.later / GIB, 2), peak=round(fp.peak / GIB, 2)),
+               built_measured_gib=round((alloc() - before) / GIB, 2) if cuda else None)
+    try:
+        check_fits(fp, dev, s.utilization)
+        row["check_fits"] = "fits"
+    except MemoryError as e:  # reported; the updates still run: was the refusal right?
+        row["check_fits"] = str(e)
+    kv = None
+    if cuda:
+        # vLLM's arithmetic (gpu_worker.determine_available_memory): its share of the device
+        # less what was consumed since start-up (the target, its drafter, the learner's build).
+        free_now, _ = torch.cuda.mem_get_info(dev)
+        kv_bytes = int(s.utilization * total) - (init_free - free_now)
+        row["kv_cache_gib"] = round(kv_bytes / GIB, 2)
+        if kv_bytes <= 0:
+            r.fail(f"learner {dtype}: no room left for a KV cache ({kv_bytes / GIB:.2f} GiB)")
+        kv = torch.empty(max(kv_bytes, 0), dtype=torch.uint8, device=dev)
+        torch.cuda.reset_peak_memory_stats(dev)
+    ups, snaps, pubs, min_free = [], [], [], None
+    try:
+        for i in range(s.updates):
+            status = learner.sync_step(batches[i % len(batches)])
+            if status != "updated":
+                raise RuntimeError(f"update {i}: {status}: {learner.last_error}")
+            ups.append(learner.update_ms)
+            snaps.append(learner.snapshot_ms)
+            pubs.append(_publish_in_place(learner.latest()[1], params, dev)())
+            if cuda:
+                f, _ = torch.cuda.mem_get_info(dev)
+                min_free = f if min_free is None else min(min_free, f)
+    except Exception as e:  # noqa: BLE001 - reported with the figures so far
+        row["stopped_at_update"] = len(ups)
+        r.fail(f"learner {dtype}: update {len(ups)} beside the KV cache failed: "
+               f"{type(e).__name__}: {_line(e)}")
+    served = [(params[n.removeprefix("drafter.")], p) for n, p in zip(learner.names, learner.params)
+              if n.startswith("drafter.")]
+    same = all(torch.equal(mine, p.to(mine.dtype)) for mine, p in served)
+    if ups and not same:
+        r.fail(f"learner {dtype}: vLLM's drafter does not hold the learner's last weights")
+    if row["check_fits"] != "fits" and len(ups) == s.updates:
+        r.fail(f"learner {dtype}: check_fits refused it, but its updates ran beside the KV cache")
+    elif row["check_fits"] == "fits" and len(ups) < s.updates:
+        r.fail(f"learner {dtype}: check_fits let it start, but its updates did not fit")
+    row.update(updates=len(ups), update_ms=_median(ups[1:] or ups),
+               snapshot_ms=_median(snaps[1:] or snaps), publish_ms=_median(pubs[1:] or pubs),
+               last_loss=round(learner.last_loss, 4),
+               published_equal=same)
+    if cuda:
+        row.update(peak_allocated_gib=round(torch.cuda.max_memory_allocated(dev) / GIB, 2),
+                   peak_reserved_gib=round(torch.cuda.max_memory_reserved(dev) / GIB, 2),
+                   min_free_gib=round(min_free / GIB, 2) if min_free is not None else None,
+                   headroom_gib=round((min_free or 0) / GIB, 2))
+    del parts, learner, kv
+
+
+# ------------------------------------------------------------------------------ C. concurrency
+
+class Replay:
+    """fn(*static inputs) captured in a CUDA graph (one shared pool, as vLLM's graphs share
+    one); off CUDA, or where capture fails (reported), an eager call."""
+
+    def __init__(self, fn, args: tuple, pool=None, name: str = "") -> None:
+        self.fn, self.args, self.graph, self.error = fn, args, None, None
+        self.out = None
+        if not args[0].is_cuda:
+            return
         try:
-            cfg = OnlineSpecConfig.from_any(dict(learner_device=s.device, learner_dtype=dtype,
-                                                 lr=1e-5, grad_clip=1.0))
-            parts = build_learner(cfg, path, embed, lm_head, dcfg.num_draft_tokens,
-                                  train_length_head=False)
-            learner = parts.learner
-            assert learner.loss_fn.lm_head_w is lm_head and learner.loss_fn.embed_w is embed
-            assert all(p.device.type == dev.type for p in learner.params)
-            n_params = sum(p.numel() for p in learner.params)
-            row.update(params_m=round(n_params / 1e6, 1), loss_impl=learner.loss_fn.impl)
-            fp = parts.footprint
-            row.update(stated_steady_mib=round(fp.steady / 2**20, 1),
-                       stated_peak_mib=round(fp.peak / 2**20, 1))
-            batch = fake_batch(s, dcfg, s.device, gen)
-            hold = None
-            if dev.type == "cuda":
-                # Co-residency as serving has it: the learner's state exists before vLLM
-                # profiles, then the KV cache takes gpu_memory_utilization of the device less
-                # what is allocated; the updates must run in what is left.
-                try:
-                    check_fits(fp, dev, s.utilization)
-                except MemoryError as e:  # the designed outcome for a learner that cannot fit
-                    row["refused"] = str(e)
-                    say(f"    {dtype}: refused before serving: {e}")
-                    rep.learner.append(row)
-                    del parts, learner, batch
-                    torch.cuda.empty_cache()
-                    continue
-                torch.cuda.synchronize()
-                _, total = torch.cuda.mem_get_info(dev)
-                held = int(s.utilization * total) - torch.cuda.memory_reserved(dev)
-                hold = torch.empty(max(held, 0), dtype=torch.uint8, device=dev)
-                row["held_mib"] = round(hold.numel() / 2**20)
-                torch.cuda.reset_peak_memory_stats()
-                base = torch.cuda.memory_allocated()
-            ups, snaps, walls = [], [], []
-            for i in range(s.updates + 1):  # the first one compiles and allocates: not counted
-                w0 = time.perf_counter()
-                status = learner.sync_step(batch)
-                if status != "updated":
-                    raise RuntimeError(f"update {i}: {status}: {learner.last_error}")
-                if i:
-                    ups.append(learner.update_ms)
-                    snaps.append(learner.snapshot_ms)
-                    walls.append((time.perf_counter() - w0) * 1e3)
-            row.update(update_ms=statistics.median(ups), snapshot_ms=statistics.median(snaps),
-                       update_wall_ms=statistics.median(walls), last_loss=learner.last_loss)
-            if dev.type == "cuda":
-                torch.cuda.synchronize()
-                row["peak_mib"] = torch.cuda.max_memory_allocated() / 2**20
-                row["peak_over_model_mib"] = (torch.cuda.max_memory_allocated() - base) / 2**20
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side), torch.no_grad():
+                for _ in range(2):  # lazy initialisations off the capture
+                    fn(*args)
+            torch.cuda.current_stream().wait_stream(side)
+            g = torch.cuda.CUDAGraph()
+            with torch.no_grad(), torch.cuda.graph(g, pool=pool):
+                self.out = fn(*args)
+            self.graph = g
+        except Exception as e:  # noqa: BLE001 - measured eagerly, and said so
+            self.error = f"{name} capture failed: {type(e).__name__}: {_line(e)}"
+            say(f"    {self.error}")
+            torch.cuda.synchronize()
 
-            # publish: snapshot -> a second drafter (vLLM's stand-in) on another stream
-            with torch.device(dev):
-                served = DFlashDrafter(dcfg).to(dtype=learner.params[0].dtype)
-            target = dict(served.named_parameters())
-            side = torch.cuda.Stream(dev) if dev.type == "cuda" else None
-            pubs = []
-            for _ in range(s.updates):
-                _, snap = learner.latest()
-                ctx = torch.cuda.stream(side) if side is not None else _null()
-                with ctx, torch.no_grad():
-                    with Timer(dev) as t:
-                        snap.wait_ready()
-                        for name, tensor in snap.items():
-                            target[name.removeprefix("drafter.")].copy_(tensor)
-                pubs.append(t.ms)
-            ok = all(torch.equal(target[n.removeprefix("drafter.")], p)
-                     for n, p in zip(learner.names, learner.params))
-            if not ok:
-                raise RuntimeError("published weights differ from the learner's")
-            row["publish_ms"] = statistics.median(pubs)
-            row["publish_mib"] = sum(p.numel() * p.element_size() for p in learner.params) / 2**20
-            del served, target, parts, learner, batch, hold
-        except Exception as e:  # noqa: BLE001 - reported, and the exit status says so
-            traceback.print_exc()
-            row["error"] = f"{type(e).__name__}: {e}"
-            rep.failures.append(f"learner {dtype}: {row['error']}")
-        rep.learner.append(row)
-        say("    " + json.dumps(row))
-        if dev.type == "cuda":
-            torch.cuda.empty_cache()
+    def __call__(self):
+        if self.graph is not None:
+            self.graph.replay()
+            return self.out
+        with torch.no_grad():
+            return self.fn(*self.args)
 
 
-class _null:
-    def __enter__(self):
-        return self
+class TargetStandIn(torch.nn.Module):
+    """Qwen3-8B's step at serving size: the embedding, `layers` MLP blocks of the target's width
+    (what a decode step reads, most of its time), the residual stream after each of the
+    drafter's target layers (vLLM's aux hidden states) and the normed final state."""
 
-    def __exit__(self, *a):
-        return False
+    def __init__(self, embed: torch.Tensor, layers: int, inter: int, aux_layers: list[int]) -> None:
+        super().__init__()
+        H = embed.shape[1]
+        self.embed = embed
+        self.aux_layers = set(aux_layers)
+        dev, dt = embed.device, embed.dtype
+        self.w = [(_randn(H, inter, dev, dt, 3 * i, 0.5 / H ** 0.5),
+                   _randn(H, inter, dev, dt, 3 * i + 1, 0.5 / H ** 0.5),
+                   _randn(inter, H, dev, dt, 3 * i + 2, 0.5 / inter ** 0.5)) for i in range(layers)]
+
+    @staticmethod
+    def rms(x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-6)).to(x.dtype)
+
+    def forward(self, ids: torch.Tensor):
+        x = self.embed[ids]
+        aux = []
+        for i, (wg, wu, wd) in enumerate(self.w):
+            x = self.rms(x + (torch.nn.functional.silu(x @ wg) * (x @ wu)) @ wd)
+            if i in self.aux_layers:
+                aux.append(x)
+        return self.rms(x), aux
 
 
-# ------------------------------------------------------------------------------ 4. feedback copy
+class DraftStep(torch.nn.Module):
+    """vLLM's drafter's forward for a running batch: the DFlash twin's `draft_hidden`."""
 
-def check_feedback_copy(s: Shapes, rep: Report) -> None:
-    from types import SimpleNamespace
+    def __init__(self, drafter, embed: torch.Tensor) -> None:
+        super().__init__()
+        self.d, self.embed = drafter, embed
 
-    from vllm_onlinespec.serving.feedback import FeedbackPipe, records_from_step
+    def forward(self, ctx, ctx_pos, ctx_mask, first, first_pos):
+        return self.d.draft_hidden(ctx, ctx_pos, ctx_mask, first, first_pos, self.embed)
 
-    h, layers = s.drafter["hidden_size"], len(s.drafter["target_layer_ids"])
+
+class ServingLoop:
+    """vLLM's step order on a GPU runner: target forward; the step's features copied before
+    the drafter runs (compat.own_features); drafter forward; the sampled tokens read on the
+    host; then this project's after-step: feedback (the real FeedbackStage) and publish."""
+
+    def __init__(self, s: Shapes, dev, dcfg, target, drafter, embed, learner, buffer) -> None:
+        from vllm_onlinespec.policy.cutter import DraftCutter
+        from vllm_onlinespec.serving import compat
+        from vllm_onlinespec.serving.feedback import FeedbackStage
+        from vllm_onlinespec.serving.guard import HookGuard
+
+        compat.is_cpu = lambda: dev.type == "cpu"  # vLLM's platform, absent on the device image
+        self.s, self.dev, self.K, self.B = s, dev, dcfg.num_draft_tokens, s.requests
+        self.learner = learner
+        self.guard = HookGuard()
+        cfg = learner.cfg
+        self.stage = FeedbackStage(DraftCutter(cfg.length_head, self.K), None, None, None,
+                                   learner, buffer, self.guard)
+        n = self.B * (self.K + 1)
+        gen = self.gen = torch.Generator().manual_seed(3)
+        # vLLM's input ids: its host buffer (compat.step_view reads that side), and the device
+        # copy the target reads; positions live on the device only (vLLM 0.32).
+        self.ids_host = torch.randint(1, dcfg.vocab_size, (n,), generator=gen, dtype=torch.int32)
+        self.ids = self.ids_host.to(dev)
+        self.positions = torch.zeros(n, dtype=torch.long, device=dev)
+        self.pos = [0] * self.B  # each request's next position
+        pool = torch.cuda.graph_pool_handle() if dev.type == "cuda" else None
+        self.target = Replay(target, (self.ids,), pool, "target")
+        T = s.ctx_tokens
+        dt = drafter.dtype
+        self.draft_args = (torch.randn(self.B, T, dcfg.fc_in_features, generator=gen).to(dev, dt),
+                           torch.arange(T, device=dev).expand(self.B, T).contiguous(),
+                           torch.ones(self.B, T, dtype=torch.bool, device=dev),
+                           torch.randint(1, dcfg.vocab_size, (self.B,), generator=gen).to(dev),
+                           torch.full((self.B,), T, dtype=torch.long, device=dev))
+        self.draft_mod = DraftStep(drafter, embed)
+        self.drafter = Replay(self.draft_mod, self.draft_args, pool, "drafter")
+        self.params = dict(drafter.named_parameters())
+        self.version, self.served = learner.latest()  # version 0: the checkpoint's weights
+        self.pending = None  # (version, snapshot, the one before) whose next replay is checked
+        self.checks: list[dict] = []
+        self.publishes: list = []  # each publish's copy time, read at the end
+        self.steps = 0  # the first is the requests' prefill: no drafts verified
+
+    def step(self) -> float:
+        """One engine step; its milliseconds on the serving thread (the checks' excluded)."""
+        from vllm_onlinespec.serving import compat
+
+        t0 = time.perf_counter()
+        K, B, prefill = self.K, self.B, self.steps == 0
+        rows = torch.tensor([p + j for p in self.pos for j in range(K + 1)])
+        pinned = rows.pin_memory() if self.dev.type == "cuda" else rows
+        self.positions.copy_(pinned, non_blocking=True)
+        hidden, aux = self.target()
+        view = compat.own_features(compat.StepView(
+            req_ids=[f"r{i}" for i in range(B)], num_scheduled=[K + 1] * B,
+            input_ids=self.ids_host, positions=self.positions, hidden_states=hidden,
+            aux_hidden_states=aux, num_draft_tokens=None if prefill else [K] * B,
+            finished_req_ids=set()))
+        out = self.drafter()
+        accepted = torch.randint(0, K + 1, (B,), generator=self.gen).tolist()
+        sampled = [[1] * (a + 1) + [-1] * (K - a) for a in accepted]
+        float(out.reshape(-1)[0])  # vLLM reads the sampled and drafted tokens on the host
+        spent = self._check(out)
+        self.stage.observe(view, sampled, self.version)
+        for i, a in enumerate(accepted):
+            self.pos[i] += K + 1 if prefill else a + 1
+        latest = self.learner.latest()
+        if latest[0] > self.version:
+            self.publishes.append(_publish_in_place(latest[1], self.params, self.dev))
+            self.pending = (latest[0], latest[1], self.served)
+            self.version, self.served = latest
+        self.steps += 1
+        return (time.perf_counter() - t0) * 1e3 - spent
+
+    def _check(self, out: torch.Tensor) -> float:
+        """The first replay after a publish against an eager forward of that snapshot (and of the
+        one before, to show the weights did change); milliseconds spent (not the step's)."""
+        if self.pending is None:
+            return 0.0
+        t0 = time.perf_counter()
+        version, snap, before = self.pending
+        self.pending = None
+
+        def eager(sn):
+            named = {"d." + n.removeprefix("drafter."): t for n, t in sn.items()
+                     if n.startswith("drafter.")}
+            with torch.no_grad():
+                return torch.func.functional_call(self.draft_mod, named, self.draft_args).float()
+
+        got, want = out.float(), eager(snap)
+        scale = float(want.abs().max()) or 1.0
+        self.checks.append(dict(version=version, err=float((got - want).abs().max()) / scale,
+                                err_vs_previous=float((got - eager(before)).abs().max()) / scale))
+        return (time.perf_counter() - t0) * 1e3
+
+
+def step_concurrency(s: Shapes, r: Result) -> None:
+    from vllm_onlinespec.drafter import DFlashConfig
+    from vllm_onlinespec.learner.factory import build_learner
+
     dev = torch.device(s.device)
-    for reqs in (8, 64) if s.device == "cuda" else (2,):
-        k = 4  # each request: last token + 4 drafts, 2 accepted -> 3 committed rows
-        n = reqs * (k + 1)
-        view = SimpleNamespace(
-            req_ids=[f"r{i}" for i in range(reqs)], num_scheduled=[k + 1] * reqs,
-            num_draft_tokens=[k] * reqs, finished_req_ids=set(),
-            aux_hidden_states=[torch.randn(n, h, device=dev, dtype=torch.bfloat16)
-                               for _ in range(layers)],
-            hidden_states=torch.randn(n, h, device=dev, dtype=torch.bfloat16),
-            input_ids=torch.arange(n, device=dev), positions=torch.arange(n, device=dev) + 100)
-        accepted = [2] * reqs
-        row = {"requests": reqs, "rows": 3 * reqs, "hidden": h, "layers": layers}
-        times = {"sync": [], "async_issue": [], "async_ready": []}
-        for rep_i in range(6):
-            if dev.type == "cuda":
+    dcfg = DFlashConfig(**s.drafter)
+    K = dcfg.num_draft_tokens
+    dtype = "bfloat16" if dev.type == "cuda" else "float32"
+    with r.part("set-up"):
+        path, drafter = _drafter(dcfg, dev, "drafter")
+        embed = _randn(dcfg.vocab_size, dcfg.hidden_size, dev, drafter.dtype, 1)
+        target = TargetStandIn(embed, s.target_layers, s.target_inter, dcfg.target_layer_ids)
+        # The learner at full pace (share 1, no gain pacing): the most it can take from serving.
+        cfg = _learner_cfg(dtype, dev, update={"lr": 1e-3},
+                           pacing={"share_control": "fixed", "learner_cpu_share": 1.0})
+        parts = build_learner(cfg, path, embed, embed, K, train_length_head=False, device=dev)
+        loop = ServingLoop(s, dev, dcfg, target, drafter, embed, parts.learner, parts.buffer)
+        r.data["graphs"] = {name: g.error or ("captured" if g.graph else "eager")
+                            for name, g in (("target", loop.target), ("drafter", loop.drafter))}
+        r.data.update(learner_dtype=dtype, requests=s.requests, K=K,
+                      loss_impl=parts.learner.loss_fn.impl)
+    if r.part_failed:
+        return
+    learner = parts.learner
+    with r.part("serving loop"):
+        def run(seconds: float) -> list[float]:
+            times, end = [], time.perf_counter() + seconds
+            while time.perf_counter() < end:
+                times.append(loop.step())
+            return times
+
+        for _ in range(3):
+            loop.step()  # warm-up: first step is the requests' prefill
+        off = run(s.off_s)
+        u0, t0 = learner.updates, time.perf_counter()
+        learner.start()
+        try:
+            on = run(s.on_s)
+        finally:
+            stopped = learner.stop(timeout=10)
+        dt = time.perf_counter() - t0
+        for _ in range(2):
+            loop.step()  # the last publish's check
+        errs = [c["err"] for c in loop.checks]
+        r.data.update(
+            steps_off=len(off), steps_on=len(on), step_ms_off=_median(off), step_ms_on=_median(on),
+            step_ms_on_p90=round(sorted(on)[int(0.9 * (len(on) - 1))], 3) if on else None,
+            updates=learner.updates - u0, updates_per_s=round((learner.updates - u0) / dt, 2),
+            update_ms=round(learner.update_ms_ema, 1) if learner.updates else None,
+            publishes=len(loop.publishes), publish_ms=_median([ms() for ms in loop.publishes]),
+            checked=len(loop.checks), check_max_err=max(errs) if errs else None,
+            exact=sum(e == 0 for e in errs),
+            changed=sum((c["err_vs_previous"] or 0) > 0 for c in loop.checks),
+            learner_errors=learner.errors, learner_last_error=learner.last_error,
+            learner_stopped=stopped, hook_errors=dict(loop.guard.errors),
+            buffer=parts.buffer.stats())
+        say(f"    {json.dumps({k: v for k, v in r.data.items() if k != 'part_seconds'})}")
+        if not loop.publishes:
+            r.fail("no publish while serving: the learner never updated")
+        if errs and max(errs) > 1e-2:
+            r.fail(f"a replay after a publish differs from the snapshot's eager forward "
+                   f"(max relative error {max(errs):.2e})")
+        if learner.errors or loop.guard.errors:
+            r.fail(f"errors: learner {learner.errors} ({learner.last_error}), hooks "
+                   f"{dict(loop.guard.errors)}")
+
+
+# ------------------------------------------------------------------------------ D. graphs
+
+def step_graphs(s: Shapes, r: Result) -> None:
+    if s.device != "cuda":
+        r.data["skipped"] = "CUDA graphs need a CUDA device"
+        say("[D] skipped (needs CUDA)")
+        return
+    with r.part("graph pool"):
+        graph_pool(s, r)
+    with r.part("capture while the learner updates"):  # last: a failed capture may leave
+        capture_beside_learner(s, r)  # the allocator's capture state behind
+
+
+def capture_beside_learner(s: Shapes, r: Result) -> None:
+    """The learner updating on its own thread and stream (its updates read losses and norms on
+    the host), while the main thread captures a graph the way vLLM does (torch.cuda.graph,
+    default capture_error_mode 'global'), then with 'thread_local'. Does capture fail, does the
+    learner fail, does the replay compute the right thing, is the context usable after?"""
+    from vllm_onlinespec.drafter import DFlashConfig
+    from vllm_onlinespec.learner.factory import build_learner
+
+    dev = torch.device("cuda")
+    dcfg = DFlashConfig(**s.small_drafter)
+    path, _ = _drafter(dcfg, dev, "small_drafter")
+    embed = _randn(dcfg.vocab_size, dcfg.hidden_size, dev, torch.bfloat16, 1)
+    parts = build_learner(_learner_cfg("bfloat16", dev), path, embed, embed, dcfg.num_draft_tokens,
+                          train_length_head=False, device=dev)
+    learner = parts.learner
+    batch = _fake_batch(s, dcfg, dev, torch.Generator().manual_seed(0))
+    stop = threading.Event()
+
+    def updates():
+        while not stop.is_set():
+            learner.sync_step(batch)
+
+    x = torch.randn(256, 1024, device=dev, dtype=torch.bfloat16)
+    ws = [torch.randn(1024, 1024, device=dev, dtype=torch.bfloat16) / 32 for _ in range(4)]
+
+    def f():
+        y = x
+        for _ in range(100):  # a capture long enough to overlap the learner's host syncs
+            for w in ws:
+                y = torch.tanh(y @ w)
+        return y
+
+    want = f()
+    torch.cuda.synchronize()
+    thread = threading.Thread(target=updates, daemon=True)
+    thread.start()
+    time.sleep(1.0)
+    attempts = []
+    for mode in ("global", "thread_local"):
+        for _ in range(3):
+            e0 = learner.errors
+            a = {"mode": mode}
+            try:
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, capture_error_mode=mode):
+                    y = f()
+                graph.replay()
                 torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            ref = records_from_step(view, accepted, 0)
-            t1 = time.perf_counter()
-            pipe = FeedbackPipe()
-            fb = records_from_step(view, accepted, 0, async_copy=True)
-            t2 = time.perf_counter()
-            got = pipe.submit(fb) or pipe.flush()
-            t3 = time.perf_counter()
-            if rep_i:  # the first is a warm-up (pinned pool, kernels)
-                times["sync"].append((t1 - t0) * 1e3)
-                times["async_issue"].append((t2 - t1) * 1e3)
-                times["async_ready"].append((t3 - t1) * 1e3)
-        ok = all(torch.equal(a.aux, b.aux) and torch.equal(a.target_hidden, b.target_hidden)
-                 and torch.equal(a.token_ids, b.token_ids)
-                 for a, b in zip(ref.records, got[0].records))
-        row.update({f"{key}_ms": round(statistics.median(v), 3) for key, v in times.items()},
-                   equal=ok, bytes=int(sum(r.aux.numel() * r.aux.element_size()
-                                           + r.target_hidden.numel() * 2 for r in ref.records)))
-        say(f"  feedback copy: {row}")
-        rep.feedback.append(row)
-        if not ok:
-            rep.failures.append(f"feedback copy ({reqs} requests): async records differ from sync")
+                a["captured"] = True
+                a["replay_right"] = bool(torch.allclose(y.float(), want.float(), atol=1e-2))
+            except Exception as e:  # noqa: BLE001 - the finding
+                a["captured"] = False
+                a["error"] = f"{type(e).__name__}: {_line(e)}"
+                try:
+                    torch.cuda.synchronize()
+                except Exception as e2:  # noqa: BLE001
+                    a["sync_after"] = f"{type(e2).__name__}: {_line(e2)}"
+            time.sleep(0.2)
+            a["learner_errors_during"] = learner.errors - e0
+            attempts.append(a)
+            say(f"    {json.dumps(a)}")
+    stop.set()
+    thread.join(60)
+    try:
+        usable = float(torch.ones(4, device=dev).sum()) == 4.0
+    except Exception as e:  # noqa: BLE001
+        usable = f"{type(e).__name__}: {e}"
+    r.data["capture_beside_learner"] = dict(
+        attempts=attempts, learner_updates=learner.updates, learner_errors=learner.errors,
+        learner_last_error=learner.last_error, context_usable_after=usable)
+    if usable is not True:
+        r.fail(f"the CUDA context is unusable after capturing beside the learner: {usable}")
 
-
-# ------------------------------------------------------------------------------ 5. CUDA graphs
 
 class _Alias:
     """A tensor's memory without its ownership, as vLLM's `weak_ref_tensor` keeps a graph's
@@ -463,16 +813,12 @@ class _Alias:
         self.__cuda_array_interface__ = t.__cuda_array_interface__
 
 
-def check_graphs(s: Shapes, rep: Report) -> None:
+def graph_pool(s: Shapes, r: Result) -> None:
     """(a) Two graphs in one memory pool, the first's output kept only as a non-owning alias
     (vLLM's target model and its drafter): does replaying the second overwrite the first's
     output, and does a copy taken between the two replays (what serving/feedback does before
     the drafter runs) keep the right values? (b) Weights copied in place into a captured graph's
     parameters (the publish path): does the next replay compute with the new weights?"""
-    if s.device != "cuda":
-        rep.graphs = {"skipped": "CUDA graphs need a CUDA device"}
-        say("[5] graphs: skipped (needs CUDA)")
-        return
     dev = torch.device("cuda")
     n, h = 64, s.drafter["hidden_size"]
     g = torch.Generator(device=dev).manual_seed(0)
@@ -499,11 +845,9 @@ def check_graphs(s: Shapes, rep: Report) -> None:
     copied = out1.clone()  # the feedback copy, before the drafter's replay
     g2.replay()
     torch.cuda.synchronize()
-    overwritten = not torch.equal(out1, want)
-    copy_ok = torch.allclose(copied, want, atol=1e-5, rtol=1e-5)
     res = {"n": n, "hidden": h, "shares_memory": y1_ptr in (t.data_ptr(), y2.data_ptr()),
-           "output_overwritten_by_second_replay": overwritten, "copy_before_second_replay_ok": copy_ok}
-    # (b) publish into the captured weights: an in-place copy on another stream, then replay
+           "output_overwritten_by_second_replay": not torch.equal(out1, want),
+           "copy_before_second_replay_ok": torch.allclose(copied, want, atol=1e-5, rtol=1e-5)}
     w_new = torch.randn(h, h, device=dev, generator=g) / h**0.5
     pub = torch.cuda.Stream()
     with torch.cuda.stream(pub):
@@ -513,137 +857,179 @@ def check_graphs(s: Shapes, rep: Report) -> None:
     torch.cuda.synchronize()
     res["replay_sees_published_weights"] = torch.allclose(y2, (x @ w_new).relu_() * 3.0 + 1.0,
                                                           atol=1e-4, rtol=1e-4)
-    rep.graphs = res
-    say(f"[5] graphs: {json.dumps(res)}")
-    if not copy_ok:
-        rep.failures.append("graphs: the feature copy taken between the replays is wrong")
+    r.data["graph_pool"] = res
+    say(f"    {json.dumps(res)}")
+    if not res["copy_before_second_replay_ok"]:
+        r.fail("graph pool: the feature copy taken between the replays is wrong")
     if not res["replay_sees_published_weights"]:
-        rep.failures.append("graphs: a replay after publish does not compute with the new weights")
+        r.fail("graph pool: a replay after publish does not compute with the new weights")
 
 
-# ------------------------------------------------------------------------------ output
+# ------------------------------------------------------------------------------ report
 
-def write(rep: Report, out: Path, command: str) -> None:
-    out.mkdir(parents=True, exist_ok=True)
-    d = dataclasses.asdict(rep)
-    d["command"] = command
-    (out / "gpu.json").write_text(json.dumps(d, indent=1) + "\n")
-    lines = [f"# GPU checks ({rep.device})", "",
-             f"Command: `{command}`. torch {rep.torch}, triton {rep.triton}, Python {rep.python}."
-             + (" **Smoke run (CPU, tiny shapes): not a measurement.**" if rep.smoke else ""), "",
-             "## 1. Kernel tests on the device", "",
-             f"`tests/test_kernels.py`: {rep.kernel_tests.get('summary')} "
-             f"(rc {rep.kernel_tests.get('rc')}, {rep.kernel_tests.get('seconds')} s)", "",
-             "## 2. Fused loss vs the PyTorch reference (forward + backward)", "",
-             "| N | h | V | dtype | impl | ms | peak MiB | loss | max abs grad diff vs naive |",
-             "|---|---|---|---|---|---|---|---|---|"]
-    for r in rep.loss:
-        lines.append(f"| {r['n']} | {r['h']} | {r['v']} | {r['dtype']} | {r['impl']} | "
-                     f"{_cell(r.get('ms'), 2)} | {_cell(r.get('peak_mib'), 0)} | "
-                     f"{_cell(r.get('loss'), 5)} | {_cell(r.get('max_grad_diff_vs_first'), 3, True)}"
-                     + (" (OOM)" if r.get("oom") else "") + " |")
-    lines += ["", "## 3. One online update of the drafter on the device", "",
-              "| learner dtype | params (M) | loss impl | blocks | loss rows | held by the "
-              "stand-in KV cache (MiB) | stated footprint, held / at peak (MiB) | update ms | "
-              "snapshot ms | publish ms | publish MiB | peak MiB | error or refusal |",
-              "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
-    for r in rep.learner:
-        lines.append(f"| {r['learner_dtype']} | {r.get('params_m', '-')} | {r.get('loss_impl', '-')} | "
-                     f"{r['blocks']} | {r['loss_rows']} | {r.get('held_mib', '-')} | "
-                     f"{r.get('stated_steady_mib', '-')} / {r.get('stated_peak_mib', '-')} | "
-                     f"{_cell(r.get('update_ms'), 1)} | "
-                     f"{_cell(r.get('snapshot_ms'), 2)} | {_cell(r.get('publish_ms'), 2)} | "
-                     f"{_cell(r.get('publish_mib'), 0)} | {_cell(r.get('peak_mib'), 0)} | "
-                     f"{r.get('error', r.get('refused', ''))} |")
-    lines += ["", "Update/snapshot ms: CUDA events on the learner's stream (host clock on CPU), "
-              "median of the updates after a warm-up one. Publish: Snapshot.wait_ready, then a "
-              "device-to-device copy_ into a second drafter on another stream (vLLM's "
-              "load_weights does the same copy plus name mapping). Peak: "
-              "torch.cuda.max_memory_allocated over the updates (drafter, state, head and "
-              "embedding included).", ""]
-    lines += ["## 4. Feedback copy off the serving thread", "",
-              "| requests | committed rows | bytes | sync ms | async: call ms | async: ready ms | "
-              "equal |", "|---|---|---|---|---|---|---|"]
-    for r in rep.feedback:
-        lines.append(f"| {r['requests']} | {r['rows']} | {r['bytes']} | {r['sync_ms']} | "
-                     f"{r['async_issue_ms']} | {r['async_ready_ms']} | {r['equal']} |")
-    lines += ["", "sync: records_from_step with pageable copies (what the serving thread waited "
-              "for); async: the call with pinned non-blocking copies (what it waits for now), and "
-              "until the records are usable (FeedbackPipe hands them on a step later). Host "
-              "clock, median of 5 after a warm-up.", ""]
-    lines += ["## 5. CUDA graphs: a shared memory pool and publishing into captured weights", ""]
-    lines += [f"- {k}: {v}" for k, v in rep.graphs.items()] + [""]
-    if rep.failures:
-        lines += ["## Failures", ""] + [f"- {f}" for f in rep.failures] + [""]
-    (out / "gpu.md").write_text("\n".join(lines))
+def device_name(s: Shapes) -> str:
+    if s.device == "cuda":
+        return torch.cuda.get_device_name()
+    return f"cpu ({platform.processor() or platform.machine()})"
 
 
-def _cell(x, prec, e=False) -> str:
-    if x is None:
-        return "-"
-    return f"{x:.{prec}e}" if e else f"{x:.{prec}f}"
+def run_step(key: str, s: Shapes, out: Path) -> int:
+    r = Result(key, s)
+    t0 = time.perf_counter()
+    say(f"gpu_check [{key}] {STEPS[key]} on {device_name(s)}")
+    try:
+        {"A": step_kernels, "B": step_memory, "C": step_concurrency, "D": step_graphs}[key](s, r)
+    except Exception as e:  # noqa: BLE001 - whatever escaped a part is this step's failure
+        traceback.print_exc()
+        r.fail(f"{type(e).__name__}: {e}")
+    doc = dict(step=key, name=STEPS[key], seconds=round(time.perf_counter() - t0, 1),
+               failures=r.failures, **r.data)
+    (out / "steps").mkdir(parents=True, exist_ok=True)
+    (out / "steps" / f"{key}.json").write_text(json.dumps(doc, indent=1, default=str) + "\n")
+    say(f"gpu_check [{key}] {'ok' if not r.failures else 'FAILED'} in {doc['seconds']} s")
+    return 1 if r.failures else 0
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU (for the unit test)")
-    ap.add_argument("--out", default=None,
-                    help="folder for gpu.json/gpu.md (default: docs/results on a device; a new "
-                         "temporary folder with --smoke, whose figures are not measurements)")
-    ap.add_argument("--skip", default="", help="comma-separated checks to skip: kernels,loss,learner,feedback,graphs")
-    ap.add_argument("--learner-dtypes", default="", help="e.g. bfloat16,float32 (default: bfloat16)")
-    ap.add_argument("--imports-only", action="store_true",
-                    help="step [0] only: import what the checks use, without " + ", ".join(ABSENT_ON_DEVICE))
-    a = ap.parse_args(argv)
-    if a.imports_only:
-        return check_imports()
-    s = dataclasses.replace(SMOKE if a.smoke else FULL)
-    if a.learner_dtypes:
-        s.learner_dtypes = a.learner_dtypes.split(",")
-    if s.device == "cuda" and not torch.cuda.is_available():
-        say("gpu_check: FAILED: no CUDA device (use --smoke on a CPU machine)")
-        return 2
-    if s.device == "cuda" and os.environ.get("TRITON_INTERPRET"):
-        say("gpu_check: TRITON_INTERPRET is set: unsetting it for the kernel tests; this process "
-            "would run interpreted kernels, so it refuses")
-        return 2
-    out = Path(a.out) if a.out else (Path(tempfile.mkdtemp(prefix="gpu_check-smoke-")) if a.smoke
-                                     else REPO / "docs" / "results")
-    skip = set(filter(None, a.skip.split(",")))
+def report(s: Shapes, out: Path, smoke: bool, steps: str) -> int:
     try:
         import triton
 
         tv = triton.__version__
     except ImportError:
         tv = None
-    name = torch.cuda.get_device_name() if s.device == "cuda" else f"cpu ({platform.processor() or 'cpu'})"
-    rep = Report(device=name, torch=torch.__version__, triton=tv, python=platform.python_version(),
-                 smoke=a.smoke)
-    say(f"gpu_check: {name}, torch {rep.torch}, triton {tv}{' (smoke)' if a.smoke else ''}")
-    t0 = time.perf_counter()
-    checks = [("kernels", lambda: check_kernel_tests(s, rep)), ("loss", lambda: check_loss(s, rep))]
-    with tempfile.TemporaryDirectory(prefix="gpu_check-") as tmp:
-        checks.append(("learner", lambda: check_learner(s, rep, Path(tmp))))
-        checks.append(("feedback", lambda: check_feedback_copy(s, rep)))
-        checks.append(("graphs", lambda: check_graphs(s, rep)))
-        for key, run in checks:
-            if key in skip:
-                continue
-            c0 = time.perf_counter()
-            try:
-                run()
-            except Exception as e:  # noqa: BLE001 - one failed check must not hide the others
-                traceback.print_exc()
-                rep.failures.append(f"{key}: {type(e).__name__}: {e}")
-            say(f"    ({key}: {time.perf_counter() - c0:.1f} s)")
-    command = "lab/gpu_check.sh" + (" --smoke" if a.smoke else "")
-    write(rep, out, command)
-    say(f"gpu_check: wrote {out}/gpu.json and gpu.md in {time.perf_counter() - t0:.0f} s")
-    if rep.failures:
-        say("gpu_check: FAILED:\n  " + "\n  ".join(rep.failures))
+    rep = dict(device=device_name(s), torch=torch.__version__, triton=tv,
+               python=platform.python_version(), smoke=smoke,
+               command="lab/gpu_check.sh" + (" --smoke" if smoke else ""), steps={}, failures=[])
+    for key in steps:
+        f = out / "steps" / f"{key}.json"
+        if f.is_file():
+            doc = json.loads(f.read_text())
+        else:
+            doc = dict(step=key, name=STEPS[key], failures=[
+                "no result: the step was killed (time limit) or crashed; see gpu_check.log"])
+        rep["steps"][key] = doc
+        rep["failures"] += [f"{key} {STEPS[key]}: {x}" for x in doc["failures"]]
+    (out / "gpu_check.json").write_text(json.dumps(rep, indent=1, default=str) + "\n")
+    (out / "gpu_check.md").write_text(render(rep))
+    say(f"gpu_check: wrote {out}/gpu_check.json and gpu_check.md")
+    if rep["failures"]:
+        say("gpu_check: FAILED:\n  " + "\n  ".join(rep["failures"]))
         return 1
-    say("gpu_check: all checks passed")
+    say("gpu_check: all steps passed")
     return 0
+
+
+def _c(x, prec=2) -> str:
+    if x is None:
+        return "-"
+    return f"{x:.{prec}f}" if isinstance(x, float) else str(x)
+
+
+def render(rep: dict) -> str:
+    st = rep["steps"]
+    L = [f"# GPU checks ({rep['device']})", "",
+         f"`{rep['command']}`; torch {rep['torch']}, triton {rep['triton']}, Python "
+         f"{rep['python']}." + (" **Smoke run (CPU, tiny shapes): not a measurement.**"
+                               if rep["smoke"] else ""), ""]
+    L += ["| step | seconds | result |", "|---|---|---|"]
+    for k, d in st.items():
+        L.append(f"| {k} {d['name']} | {_c(d.get('seconds'), 1)} | "
+                 f"{'ok' if not d['failures'] else 'FAILED: ' + '; '.join(d['failures'])} |")
+    a = st.get("A", {})
+    if a:
+        kt = a.get("kernel_tests", {})
+        L += ["", "## A. Kernels", "", f"`tests/test_kernels.py` on the device: "
+              f"{kt.get('summary')} (rc {kt.get('rc')}, {kt.get('seconds')} s).", "",
+              "Fused loss vs the naive PyTorch reference (forward + backward; grad error relative "
+              "to the reference's largest entry):", "",
+              "| V | N | inputs | impl | ms | peak MiB | loss | loss rel err | grad err | ok |",
+              "|---|---|---|---|---|---|---|---|---|---|"]
+        for x in a.get("loss", []):
+            L.append(f"| {x['v']} | {x['n']} | {x['inputs']} | {x['impl']} | {_c(x.get('ms'))} | "
+                     f"{_c(x.get('peak_mib'), 0)} | {_c(x.get('loss'), 5)} | "
+                     f"{_e(x.get('loss_rel_err'))} | {_e(x.get('grad_err'))} | "
+                     f"{'OOM' if x.get('oom') else x.get('ok', 'ref')} |")
+    b = st.get("B", {})
+    if b.get("learners"):
+        L += ["", "## B. Start-up memory at real sizes", "",
+              f"Device {b.get('device_total_gib')} GiB; target stand-in {b.get('target_gib')} GiB, "
+              f"vLLM's drafter {b.get('vllm_drafter_gib')} GiB; KV-cache stand-in = "
+              f"gpu_memory_utilization 0.9 x total - consumed since start-up.", "",
+              "| learner | params (M) | loss | stated held / built / later (GiB) | built, measured "
+              "(GiB) | check_fits | KV cache (GiB) | updates | update ms | snapshot ms | publish "
+              "ms | peak alloc / reserved (GiB) | headroom (GiB) |",
+              "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+        for x in b["learners"]:
+            sg = x.get("stated_gib", {})
+            L.append(f"| {x['learner_dtype']} | {x.get('params_m', '-')} | "
+                     f"{x.get('loss_impl', '-')} | "
+                     f"{sg.get('held', '-')} / {sg.get('built', '-')} / {sg.get('later', '-')} | "
+                     f"{_c(x.get('built_measured_gib'))} | {x.get('check_fits', '-')} | "
+                     f"{_c(x.get('kv_cache_gib'))} | {x.get('updates', '-')}"
+                     f"{' (stopped)' if 'stopped_at_update' in x else ''} | "
+                     f"{_c(x.get('update_ms'), 1)} | "
+                     f"{_c(x.get('snapshot_ms'))} | {_c(x.get('publish_ms'))} | "
+                     f"{_c(x.get('peak_allocated_gib'))} / {_c(x.get('peak_reserved_gib'))} | "
+                     f"{_c(x.get('headroom_gib'))} |")
+    c = st.get("C", {})
+    if "step_ms_off" in c:
+        L += ["", "## C. Serving beside the learner thread", "",
+              f"{c.get('requests')} requests, K = {c.get('K')}, learner {c.get('learner_dtype')} "
+              f"at full pace; graphs: {c.get('graphs')}.", "",
+              "| step ms, learner off | on (median / p90) | updates/s | update ms | publishes | "
+              "publish ms | replays checked (exact) | max rel err | weights changed |",
+              "|---|---|---|---|---|---|---|---|---|",
+              f"| {_c(c.get('step_ms_off'))} | {_c(c.get('step_ms_on'))} / "
+              f"{_c(c.get('step_ms_on_p90'))} | {_c(c.get('updates_per_s'))} | "
+              f"{_c(c.get('update_ms'), 1)} | {c.get('publishes')} | {_c(c.get('publish_ms'))} | "
+              f"{c.get('checked')} ({c.get('exact')}) | {_e(c.get('check_max_err'))} | "
+              f"{c.get('changed')} |"]
+    d = st.get("D", {})
+    if d.get("capture_beside_learner") or d.get("graph_pool"):
+        cb = d.get("capture_beside_learner", {})
+        L += ["", "## D. CUDA graphs", "", "Captured while the learner updates on its thread:", ""]
+        L += [f"- {json.dumps(x)}" for x in cb.get("attempts", [])]
+        L += [f"- learner: {cb.get('learner_updates')} updates, {cb.get('learner_errors')} errors "
+              f"({cb.get('learner_last_error')}); context usable after: "
+              f"{cb.get('context_usable_after')}", "", "Two graphs in one pool:", ""]
+        L += [f"- {k}: {v}" for k, v in d.get("graph_pool", {}).items()]
+    elif d.get("skipped"):
+        L += ["", "## D. CUDA graphs", "", f"Skipped: {d['skipped']}."]
+    if rep["failures"]:
+        L += ["", "## Failures", ""] + [f"- {f}" for f in rep["failures"]]
+    return "\n".join(L) + "\n"
+
+
+def _e(x) -> str:
+    return "-" if x is None else f"{x:.2e}"
+
+
+SCRATCH = Path("scratch")  # <out>/scratch (main): checkpoints; gpu_check.sh removes it
+
+
+def main(argv=None) -> int:
+    global SCRATCH
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU (the unit test)")
+    ap.add_argument("--out", required=True, help="results folder ($OUT on the device)")
+    g = ap.add_mutually_exclusive_group(required=True)
+    g.add_argument("--step", choices=list(STEPS), help="run one step -> OUT/steps/STEP.json")
+    g.add_argument("--report", action="store_true", help="merge OUT/steps -> OUT/gpu_check.*")
+    ap.add_argument("--steps", default="ABCD", help="with --report: the steps that were run")
+    a = ap.parse_args(argv)
+    s = SMOKE if a.smoke else FULL
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    SCRATCH = out / "scratch"
+    if a.report:
+        return report(s, out, a.smoke, a.steps)
+    if s.device == "cuda" and not torch.cuda.is_available():
+        say("gpu_check: FAILED: no CUDA device (use --smoke on a CPU machine)")
+        return 2
+    if s.device == "cuda" and os.environ.get("TRITON_INTERPRET"):
+        say("gpu_check: TRITON_INTERPRET is set: Triton would interpret, not compile; refused")
+        return 2
+    return run_step(a.step, s, out)
 
 
 if __name__ == "__main__":

@@ -1,28 +1,27 @@
-"""The GPU serving path without a GPU (issue 36): each test fakes the one GPU mechanism a
-defect came from, on the CPU.
+"""The GPU serving path without a GPU: each test fakes the one GPU mechanism a defect came
+from, on the CPU (lab/design/gpu_path.md).
 
   features   on GPU the target's hidden states live in the CUDA-graph pool the drafter's graphs
-             replay into: the feedback must hold the values of the target's forward
+             replay into: the feedback must hold the values of the target's forward; and its
+             copy to the host never blocks the serving thread
+  memory     the start-up check counts what the learner's build already allocated
+  start      the learner thread starts after vLLM's warm-up (graph capture), not in load_model
+  kernels    a Triton loss that cannot compile stops start-up in one line
   engine     eager mode and the CPU's context/KV sizing apply on CPU only
   publish    republishing into vLLM's DFlash drafter never asks the hub for mask_embedding.pt
-  imports    what lab/gpu_check.sh imports works without pydantic (the device image)
 """
 
 from __future__ import annotations
 
-import json
-import os
 import socket
-import subprocess
-import sys
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
+from torch.overrides import TorchFunctionMode
 
 from vllm_onlinespec.serving import compat
-from vllm_onlinespec.serving.guard import HookGuard
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -148,6 +147,275 @@ def test_own_features_copies_every_scheduled_row_and_keeps_the_rest():
     assert (own.req_ids, own.num_draft_tokens, own.finished_req_ids) == (["a"], [2], {"z"})
 
 
+class FakeCuda(TorchFunctionMode):
+    """Tensors tagged by `gpu()` behave as if they lived on a GPU (their `.device` says cuda:0),
+    and every host<->device transfer and every host read of a device value is logged with
+    whether it blocks the calling thread, as CUDA would: a copy blocks unless non_blocking
+    from or into pinned memory; `.cpu()`, `.item()`, `.tolist()`, `int()`... always do."""
+
+    SYNCS = {"cpu", "item", "tolist", "numpy", "__int__", "__float__", "__bool__", "__index__"}
+
+    def __init__(self, monkeypatch) -> None:
+        super().__init__()
+        self.log: list[tuple[str, bool]] = []  # (what, blocks)
+        mode = self
+
+        class Event:
+            def record(self, stream=None):
+                mode.log.append(("event.record", False))
+
+            def synchronize(self):
+                mode.log.append(("event.synchronize", True))
+
+        monkeypatch.setattr(torch.cuda, "Event", Event)
+
+    @staticmethod
+    def gpu(t: torch.Tensor) -> torch.Tensor:
+        t._fake_device = "cuda"
+        return t
+
+    @staticmethod
+    def where(t) -> str:
+        return getattr(t, "_fake_device", "cpu") if isinstance(t, torch.Tensor) else "-"
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func == torch.Tensor.device.__get__:
+            return torch.device("cuda", 0) if self.where(args[0]) == "cuda" else torch.device("cpu")
+        if func == torch.Tensor.is_cuda.__get__:
+            return self.where(args[0]) == "cuda"
+        name = getattr(func, "__name__", "")
+        pinned = name in ("empty", "zeros", "empty_like") and kwargs.pop("pin_memory", False)
+        if name == "to":
+            device, dtype, non_blocking, _ = torch._C._nn._parse_to(*args[1:], **kwargs)
+            src = args[0]
+            out = src.to(dtype) if dtype is not None else src
+            if device is None or device.type == self.where(src):
+                return self.gpu(out) if self.where(src) == "cuda" and out is not src else out
+            if device.type == "cuda":  # host -> device
+                self.log.append(("h2d", not (non_blocking and self.where(src) == "pinned")))
+                return self.gpu(out.clone())
+            self.log.append(("d2h", not non_blocking))
+            return out.clone()
+        if name == "copy_":
+            dst, src = args[0], args[1]
+            non_blocking = kwargs.get("non_blocking", args[2] if len(args) > 2 else False)
+            way = {("cuda", "pinned"): "d2h", ("cuda", "cpu"): "d2h", ("pinned", "cuda"): "h2d",
+                   ("cpu", "cuda"): "h2d"}.get((self.where(src), self.where(dst)))
+            if way:
+                host = dst if way == "d2h" else src
+                self.log.append((way, not (non_blocking and self.where(host) == "pinned")))
+            return func(dst, src)
+        if name in self.SYNCS and self.where(args[0]) == "cuda":
+            self.log.append((name, True))
+        out = func(*args, **kwargs)
+        if pinned:
+            out._fake_device = "pinned"
+        elif name not in self.SYNCS and name != "pin_memory" and any(
+                self.where(a) == "cuda" for a in _flat(args, kwargs)):
+            for t in out if isinstance(out, (tuple, list)) else (out,):
+                if isinstance(t, torch.Tensor):
+                    self.gpu(t)
+        if name == "pin_memory":
+            out._fake_device = "pinned"
+        return out
+
+
+def _flat(args, kwargs):
+    for a in list(args) + list(kwargs.values()):
+        yield from (a if isinstance(a, (list, tuple)) else (a,))
+
+
+def _gpu_view(fake: FakeCuda, reqs: int = 3, k: int = 4, h: int = 8, layers: int = 2):
+    """A step as vLLM 0.32's GPU runner leaves it: states and positions on the device (the
+    runner keeps `positions` there only), input ids in its host buffer."""
+    n = reqs * (k + 1)
+    g = torch.Generator().manual_seed(0)
+    return compat.StepView(
+        req_ids=[f"r{i}" for i in range(reqs)], num_scheduled=[k + 1] * reqs,
+        input_ids=torch.arange(100, 100 + n, dtype=torch.int32),
+        positions=fake.gpu(torch.arange(n) + 1000),
+        hidden_states=fake.gpu(torch.randn(n, h, generator=g).bfloat16()),
+        aux_hidden_states=[fake.gpu(torch.randn(n, h, generator=g).bfloat16())
+                           for _ in range(layers)],
+        num_draft_tokens=[k] * reqs, finished_req_ids=set())
+
+
+def test_async_feedback_copy_never_blocks_the_serving_thread(monkeypatch):
+    """records_from_step on a GPU step issues its copies and returns: nothing between the first
+    copy and the event recorded after the last one waits for the device (no blocking copy, no
+    host read of a device value: vLLM 0.32 keeps `positions` on the GPU, so reading a position
+    right away would wait for the whole feature download). The records' start positions are
+    filled when the pipe hands the step on, after the event."""
+    from vllm_onlinespec.serving.feedback import FeedbackPipe, records_from_step
+
+    fake = FakeCuda(monkeypatch)
+    accepted = [2, 0, 4]
+    with fake:
+        view = _gpu_view(fake)
+        fb = records_from_step(view, accepted, 7, async_copy=True)
+    assert fb.ready is not None and fake.log[-1] == ("event.record", False)
+    copies = [e for e in fake.log if e[0] in ("h2d", "d2h")]
+    assert {"h2d", "d2h"} <= {w for w, _ in copies}  # indices up, features down
+    assert [e for e in fake.log if e[1]] == [], fake.log  # nothing on the way blocks
+    assert [r.start_pos for r in fb.records] == [-1, -1, -1]  # not read yet
+    pipe = FeedbackPipe()
+    with fake:
+        assert pipe.submit(fb) == []  # held one step: the serving thread does not wait
+        (got,) = pipe.submit(records_from_step(view, accepted, 8, async_copy=True))
+    assert got is fb and fake.log.count(("event.synchronize", True)) == 1
+    assert [r.start_pos for r in fb.records] == [1000, 1005, 1010]
+    assert [r.token_ids.tolist() for r in fb.records] == [[100, 101, 102], [105],
+                                                          [110, 111, 112, 113, 114]]
+    sync = records_from_step(_gpu_view(FakeCuda(monkeypatch)), accepted, 7)  # plain tensors
+    for a, b in zip(fb.records, sync.records):
+        assert torch.equal(a.aux, b.aux) and torch.equal(a.target_hidden, b.target_hidden)
+        assert (a.start_pos, a.num_accepted, a.drafter_version) == (b.start_pos, b.num_accepted, 7)
+
+
+# -- memory: what the build allocated is already in use --------------------------------------------
+
+def _qwen3_8b_footprint(dtype_bytes: int):
+    """The learner's footprint for z-lab/Qwen3-8B-DFlash-b16 (the default OGD rule, gain
+    pacing's frozen start weights, 16 blocks of 15 rows over the 151 936-token vocabulary), by
+    learner_footprint's own accounting (tests/test_learner_memory.py checks it on real rules)."""
+    from vllm_onlinespec.drafter import DFlashConfig, DFlashDrafter
+    from vllm_onlinespec.learner.memory import LearnerFootprint
+
+    cfg = DFlashConfig(hidden_size=4096, intermediate_size=12288, num_hidden_layers=5,
+                       num_attention_heads=32, num_key_value_heads=8, head_dim=128,
+                       vocab_size=151936, target_layer_ids=[1, 9, 17, 25, 33],
+                       mask_token_id=151669, block_size=16)
+    with torch.device("meta"):
+        n = sum(p.numel() for p in DFlashDrafter(cfg).parameters())
+    w = n * dtype_bytes
+    return LearnerFootprint(weights=w, optimizer=6 * w, grads=w, snapshots=2 * w,
+                            step_transient=0, loss_logits=3 * 16 * 15 * 151936 * 4, reference=w)
+
+
+def test_start_up_memory_check_counts_what_the_build_allocated(monkeypatch):
+    """On an 80 GB H100 beside a bf16 Qwen3-8B target: by the time check_fits runs, the build
+    allocated all the learner holds but its second snapshot, and mem_get_info shows it in use.
+    The default float32 learner fits (vLLM's KV cache keeps ~18 GiB; the later additions fit in
+    the 10 % vLLM leaves); asking for what it holds to be free a second time refused it."""
+    from vllm_onlinespec.learner.memory import GIB, check_fits
+
+    fp = _qwen3_8b_footprint(4)  # the default learner_dtype, float32
+    total = int(79.1 * GIB)
+    before = int((16.4 + 1.96 + 0.5) * GIB)  # target, vLLM's drafter, CUDA context
+    free = total - before - fp.built
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda d=None: (free, total))
+    assert fp.steady > free  # what the old check compared
+    check_fits(fp, torch.device("cuda:0"), 0.9)
+    with pytest.raises(MemoryError, match=r"after start-up .* \(1.58 GiB at gpu_memory_utiliz"):
+        check_fits(fp, torch.device("cuda:0"), 0.98)  # what comes later does not fit
+    with pytest.raises(MemoryError, match=r"in use, over vLLM's share \(31.64 GiB at gpu_memory"):
+        check_fits(fp, torch.device("cuda:0"), 0.4)  # the build leaves vLLM no KV cache
+
+
+# -- start: the learner thread after vLLM's warm-up ------------------------------------------------
+
+class _Target(torch.nn.Module):
+    def __init__(self, V: int, H: int) -> None:
+        super().__init__()
+        self.model = SimpleNamespace(embed_tokens=torch.nn.Embedding(V, H))
+        self.lm_head = torch.nn.Linear(H, V, bias=False)
+
+
+def _runner(drafter_path: str, V: int, H: int):
+    """What OnlineSession reads off vLLM's runner at load_model (no TP, no vLLM drafter module:
+    the learner's device follows the target's head, the CPU here)."""
+    extra = {"onlinespec": {"drafter": drafter_path, "update": {"lr": 1e-3},
+                            "min_new_tokens_per_update": 1}}
+    vc = SimpleNamespace(
+        additional_config=extra, cache_config=SimpleNamespace(gpu_memory_utilization=0.9),
+        speculative_config=SimpleNamespace(method="dflash", num_speculative_tokens=3,
+                                           draft_model_config=SimpleNamespace(model=drafter_path)),
+        parallel_config=SimpleNamespace(tensor_parallel_size=1))
+    return SimpleNamespace(vllm_config=vc, model=_Target(V, H), drafter=None)
+
+
+def test_learner_starts_only_after_vllms_warm_up(tmp_path, monkeypatch):
+    """vLLM builds the session inside load_model, then profiles memory and captures CUDA graphs
+    in compile_or_warm_up_model: a CUDA call from the learner thread during the capture breaks
+    it. The worker's compile_or_warm_up_model (vLLM's, faked here) sees no learner running; the
+    learner runs once it returned."""
+    from test_learner_factory import H, V, write_drafter
+    from vllm_onlinespec.serving.session import OnlineSession
+    from vllm_onlinespec.serving.validate import config_from_vllm
+    from vllm_onlinespec.serving.worker import SpecDecodeWorker
+
+    runner = _runner(write_drafter(tmp_path / "d", block_size=4), V, H)
+    session = OnlineSession(runner, config_from_vllm(runner.vllm_config))
+    runner._onlinespec = session
+    try:
+        assert session.learner is not None and not session.learner.running  # after load_model
+        during = []
+        def vllm_warm_up(worker):  # vLLM's: profile, KV cache, CUDA-graph capture
+            during.append(session.learner.running)
+            return "times"
+
+        monkeypatch.setattr(SpecDecodeWorker.__mro__[1], "compile_or_warm_up_model", vllm_warm_up)
+        monkeypatch.setattr(OnlineSession, "probe_step_cost", lambda s, r: during.append("probe"))
+        worker = object.__new__(SpecDecodeWorker)
+        worker.model_runner = runner
+        assert worker.compile_or_warm_up_model() == "times"
+        assert during == [False, "probe"] and session.learner.running
+    finally:
+        session.close()
+
+
+def test_learner_starts_at_the_first_step_when_warm_up_never_ran(tmp_path):
+    """A worker path that skips compile_or_warm_up_model (vLLM's elastic-EP scale-up launch):
+    the learner starts at the end of the first engine step instead of never."""
+    from test_learner_factory import H, V, write_drafter
+    from vllm_onlinespec.serving.session import OnlineSession
+    from vllm_onlinespec.serving.validate import config_from_vllm
+
+    runner = _runner(write_drafter(tmp_path / "d", block_size=4), V, H)
+    session = OnlineSession(runner, config_from_vllm(runner.vllm_config))
+    try:
+        assert not session.learner.running
+        session.after_step(runner, None, None)
+        assert session.learner.running and not session.guard.errors
+    finally:
+        session.close()
+
+
+# -- kernels: warmed at build ----------------------------------------------------------------------
+
+def test_a_triton_loss_that_fails_stops_start_up_in_one_line(tmp_path, monkeypatch):
+    """The Triton loss compiles at the learner's first update; a compile or launch error there
+    was counted on the learner thread while serving went on with a frozen drafter. The build
+    now runs one tiny forward and backward of the loss when the Triton path is selected: its
+    failure stops start-up with one line naming the cause."""
+    from test_learner_factory import targets, write_drafter
+    from vllm_onlinespec.config import OnlineSpecConfig
+    from vllm_onlinespec.kernels import distill_triton
+    from vllm_onlinespec.learner import factory
+
+    cfg = lambda: OnlineSpecConfig.from_any({"update": {"lr": 1e-3}})  # noqa: E731
+
+    path = write_drafter(tmp_path / "d", block_size=4)
+    embed, head = targets()
+    calls = []
+
+    def broken(*a, **k):
+        calls.append(a[0].shape)
+        raise RuntimeError("PassManager::run failed\n  %0 = tt.dot ... (MLIR dump)\n  ...")
+
+    monkeypatch.setattr(distill_triton, "distill_loss_triton", broken)
+    factory.build_learner(cfg(), path, embed, head, 3, train_length_head=False)  # chunked: no call
+    assert calls == []
+    monkeypatch.setattr(factory, "loss_impl", lambda device: "triton")  # what CUDA selects
+    with pytest.raises(RuntimeError) as e:
+        factory.build_learner(cfg(), path, embed, head, 3, train_length_head=False)
+    msg = str(e.value)
+    assert "\n" not in msg and len(calls) == 1
+    assert msg.startswith("onlinespec: the learner's Triton loss kernels failed on cpu at start-up "
+                          "(RuntimeError: PassManager::run failed)")
+
+
 # -- engine: eager and CPU sizing on CPU only ------------------------------------------------------
 
 def test_engine_kwargs_keep_cuda_graphs_on_gpu(monkeypatch):
@@ -267,95 +535,3 @@ def test_publish_makes_no_hub_request(no_network, monkeypatch):
     assert torch.equal(model.model.mask_embedding, torch.full((2,), 5.0))
     assert model.model.has_separate_mask_embedding and model.model.rebuilt == 1
     assert "_read_mask_embedding" not in vars(model)  # shadowed for the call only
-
-
-# -- imports: the device image has no pydantic -----------------------------------------------------
-
-_BLOCK = """
-import sys
-class Refuse:
-    def find_spec(self, name, path=None, target=None):
-        if name.split(".")[0] in ("pydantic", "pydantic_core", "annotated_types", "vllm"):
-            raise ImportError("blocked: " + name)
-sys.meta_path.insert(0, Refuse())
-"""
-
-
-def _python(code: str, *args: str) -> subprocess.CompletedProcess:
-    env = dict(os.environ, PYTHONPATH=str(REPO))
-    return subprocess.run([sys.executable, "-c", code, *args], cwd=REPO, env=env,
-                          capture_output=True, text=True, timeout=300)
-
-
-def test_gpu_check_modules_import_without_pydantic():
-    code = _BLOCK + """
-import importlib, runpy
-gc = runpy.run_path("lab/gpu_check.py", run_name="gpu_check_imports")
-for m in gc["CHECKED_MODULES"]:
-    importlib.import_module(m)
-from vllm_onlinespec import config
-assert not config.PYDANTIC and "pydantic" not in sys.modules
-cfg = config.OnlineSpecConfig.from_any(dict(learner_device="cuda", learner_dtype="bfloat16",
-                                            lr=1e-5, grad_clip=1.0))
-assert (cfg.lr, cfg.grad_clip, cfg.learner_dtype, cfg.loss.gamma) == (1e-5, 1.0, "bfloat16", 7.0)
-try:
-    config.OnlineSpecConfig.from_any({"lr": -1})
-except config.ConfigError as e:
-    print("refused:", e)
-print("ok")
-"""
-    r = _python(code)
-    assert r.returncode == 0, r.stderr[-3000:]
-    assert "refused: onlinespec.lr: must be > 0 (got -1)" in r.stdout and "ok" in r.stdout
-
-
-def test_gpu_check_step0_names_the_failing_import(tmp_path):
-    (tmp_path / "needs_pydantic.py").write_text("import json\nfrom pydantic import BaseModel\n")
-    code = f"""
-import runpy, sys
-sys.path.insert(0, {str(tmp_path)!r})
-gc = runpy.run_path("lab/gpu_check.py", run_name="gpu_check_imports")
-gc["check_imports"].__globals__["CHECKED_MODULES"] = ("vllm_onlinespec.drafter", "needs_pydantic")
-sys.exit(gc["check_imports"]())
-"""
-    r = _python(code)
-    assert r.returncode == 3, r.stdout + r.stderr
-    assert ("cannot import needs_pydantic: ImportError: gpu_check: pydantic imported, but the "
-            "device image has no pydantic") in r.stdout
-    assert "1 of 2 modules do not import" in r.stdout
-
-
-_CONFIG_CASES = [{}, {"lr": -1}, {"loss": {"alpha": 1.5}}, {"length_head": {"policy": "magic"}},
-                 {"no_such_field": 1}, {"update": {"betas": [0.9, 1.0]}},
-                 {"update": {"ensemble_lrs": [1e-4, -1]}},
-                 {"buffer": {"window_tokens": 10, "max_tokens": 5}}, {"learner_device": "gpu"},
-                 {"learner_dtype": "bfloat16", "learner_device": "cpu"},
-                 {"pacing": {"learner_cores": "inherit"}},
-                 {"update": {"algorithm": "ensemble", "ensemble_lrs": [1e-4]}},
-                 {"eps": 1e-6, "learner_priority": "idle"}, {"batch_blocks": 0},
-                 {"prompt_lookup": {"enabled": True}}, {"enabled": False}]
-
-
-def test_the_fallback_config_reads_like_pydantics():
-    """Defaults, accepted values and one-line errors agree with and without pydantic (so a new
-    pydantic feature in config.py that the fallback lacks shows up here, not on the device)."""
-    code = """
-import json, sys
-if sys.argv[1] == "lite":
-""" + "\n".join("    " + line for line in _BLOCK.strip().splitlines()) + """
-from vllm_onlinespec import config
-out = []
-for case in json.loads(sys.argv[2]):
-    try:
-        out.append(config.OnlineSpecConfig.from_any(case).model_dump(mode="json"))
-    except config.ConfigError as e:
-        out.append(str(e))
-print(json.dumps([config.PYDANTIC, out]))
-"""
-    cases = json.dumps(_CONFIG_CASES)
-    full, lite = (_python(code, mode, cases) for mode in ("full", "lite"))
-    assert full.returncode == 0 and lite.returncode == 0, full.stderr[-2000:] + lite.stderr[-2000:]
-    (p_full, got_full), (p_lite, got_lite) = json.loads(full.stdout), json.loads(lite.stdout)
-    assert p_full and not p_lite
-    for case, a, b in zip(_CONFIG_CASES, got_full, got_lite):
-        assert a == b, case

@@ -25,7 +25,6 @@ import dataclasses
 import logging
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import torch
 from torch import nn
@@ -123,6 +122,10 @@ class DistillObjective:
                                    lengths=mv(batch.lengths), anchors=mv(batch.anchors))
 
     def __call__(self, model: TrainBundle, batch: BlockBatch) -> tuple[torch.Tensor, dict]:
+        return self.loss(model, batch, self.vocab_for(batch.ids))
+
+    def loss(self, model: TrainBundle, batch: BlockBatch, vocab) -> tuple[torch.Tensor, dict]:
+        """The loss over `vocab` (a LossVocab, draft-vocabulary ids or None: the full head)."""
         from ..training.blocks import block_loss
 
         batch = self.to_device(batch)
@@ -136,8 +139,42 @@ class DistillObjective:
                                      batch.final_hidden.to(dtype), batch.anchors, self.embed_w,
                                      self.lm_head_w, loss_cfg=self.loss_cfg,
                                      length_head=model.length_head, lengths=batch.lengths,
-                                     impl=self.impl, vocab=self.vocab_for(batch.ids))
+                                     impl=self.impl, vocab=vocab)
         return loss, stats.as_dict()
+
+    def warm_up(self, model: TrainBundle) -> None:
+        """One tiny forward and backward of the loss on the learner's device, when it runs the
+        Triton kernels: they compile (and launch) now, so a Triton that cannot build them for
+        this GPU stops start-up with one line, instead of failing every update on the learner
+        thread while serving goes on with a frozen drafter. The seen-token vocabulary is left
+        alone (the full head, or the draft vocabulary, is what the kernels read)."""
+        if self.impl != "triton":
+            return
+        cfg = model.drafter.config
+        K, T = cfg.num_draft_tokens, cfg.num_draft_tokens + 2
+        on = dict(device=self.device)
+        batch = BlockBatch(
+            ids=torch.ones(1, T, dtype=torch.long, **on),
+            aux=torch.zeros(1, T, cfg.fc_in_features, **on),
+            final_hidden=torch.zeros(1, T, cfg.hidden_size, **on),
+            lengths=torch.full((1,), T, dtype=torch.long, **on),
+            anchors=torch.full((1, 1), T - 1 - K, dtype=torch.long, **on), num_fresh=K)
+        params = [p for p in model.parameters() if p.requires_grad]
+        cuda = self.device.type == "cuda"
+        try:
+            loss, _ = self.loss(model, batch, self._fixed)
+            torch.autograd.grad(loss, params, allow_unused=True)
+            if cuda:
+                torch.cuda.synchronize(self.device)  # a launch error surfaces here, not later
+        except Exception as e:  # noqa: BLE001 - any failure here would fail every update
+            first = (str(e).strip().splitlines() or [""])[0][:300]
+            raise RuntimeError(
+                f"onlinespec: the learner's Triton loss kernels failed on {self.device} at "
+                f"start-up ({type(e).__name__}: {first}); the drafter could never learn: fix "
+                f"the Triton install for this GPU or set learner_device 'cpu'") from e
+        finally:
+            if cuda:  # the warm-up's transients are not the learner's held memory
+                torch.cuda.empty_cache()
 
 
 def served_config(config: DFlashConfig, K: int) -> DFlashConfig:
@@ -201,6 +238,7 @@ def build_learner(cfg: OnlineSpecConfig, drafter_path: str | Path, embed_w: torc
     objective = DistillObjective(embed_w, lm_head_w, cfg.loss, dev,
                                  autocast=compute_dtype(cfg.learner_compute_dtype, dev),
                                  draft_vocab=draft_vocab)
+    objective.warm_up(bundle)  # the Triton kernels compile now: a failure stops start-up
     reference, frozen = None, None
     if cfg.pacing.share_control == "gain":
         # The frozen start weights, scored on the learner's own batches: what learning bought

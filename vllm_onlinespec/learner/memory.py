@@ -8,6 +8,14 @@ leaves the drafter frozen while serving goes on. So the steady state is allocate
 (`OnlineAlgorithm.reserve`), the rest (gradients, snapshots, a step's transients, the loss's
 logits) is computed from the drafter's shapes, and a learner that cannot fit is refused before
 serving starts, with the numbers.
+
+What the build leaves allocated (`LearnerFootprint.built`: the weights, the rule's state, the
+frozen start weights and the first published snapshot) already shows in `mem_get_info` when
+`check_fits` runs; vLLM counts it as its own (its profile measures the device's free memory), so
+it only has to leave vLLM room for a KV cache. What comes later, after the KV cache took its
+share, must fit in the share vLLM leaves: an update's gradients, transients and logits, and the
+second snapshot (copied after the update's gradients are freed, on the same stream, so it reuses
+their memory: the larger of the two counts).
 """
 
 from __future__ import annotations
@@ -45,6 +53,18 @@ class LearnerFootprint:
         """Held at the peak of an update."""
         return self.steady + self.grads + self.step_transient + self.loss_logits
 
+    @property
+    def built(self) -> int:
+        """Allocated by build_learner: all it holds but the second published snapshot (the
+        first is the learner's version 0)."""
+        return self.steady - self.snapshots // 2
+
+    @property
+    def later(self) -> int:
+        """Allocated after start-up, outside vLLM's profile: an update's additions, or the
+        second snapshot (copied once the update's gradients are freed), whichever is larger."""
+        return max(self.peak - self.steady, self.steady - self.built)
+
     def describe(self, device: torch.device | str) -> str:
         parts = ", ".join(f"{f.name} {getattr(self, f.name) / GIB:.2f}" for f in fields(self))
         return (f"learner memory on {device}: {self.steady / GIB:.2f} GiB held, "
@@ -79,21 +99,28 @@ def learner_footprint(params: Sequence[torch.Tensor], algo, *, rows: int, vocab:
 
 
 def check_fits(fp: LearnerFootprint, device: torch.device, utilization: float) -> None:
-    """Raise MemoryError (one line, with the numbers) when the learner cannot fit beside vLLM:
-    what it holds must be free now (it is allocated before vLLM profiles, so vLLM's KV cache
-    shrinks by it), and what an update adds on top (gradients, transients, the loss's logits,
-    allocated after the KV cache exists) must fit in the share vLLM leaves unused,
-    1 - gpu_memory_utilization of the device. Off CUDA nothing is checked: vLLM's CPU KV cache
-    is a fixed size, not a share of what is free."""
+    """Raise MemoryError (one line, with the numbers) when the learner cannot fit beside vLLM.
+    Call it after build_learner: what the build allocated (`fp.built`) is in use now and comes
+    out of vLLM's share (gpu_memory_utilization of the device), which must keep room for a KV
+    cache; what comes later (`fp.later`) must fit in the rest of the device. Off CUDA nothing
+    is checked: vLLM's CPU KV cache is a fixed size, not a share of what is free."""
     if device.type != "cuda":
         return
     free, total = torch.cuda.mem_get_info(device)
-    headroom = (1.0 - utilization) * total
-    update = fp.peak - fp.steady
-    if fp.steady > free or update > headroom:
+    share = utilization * total
+    in_use = total - free  # the target, vLLM's drafter and the learner's build among it
+    headroom = total - share
+    device_is = f"gpu_memory_utilization {utilization:g} of {total / GIB:.2f} GiB"
+    if in_use >= share:
         raise MemoryError(
             f"onlinespec: the learner holds {fp.steady / GIB:.2f} GiB ({free / GIB:.2f} GiB free "
-            f"now) and adds {update / GIB:.2f} GiB during an update, outside vLLM's share "
-            f"({headroom / GIB:.2f} GiB at gpu_memory_utilization {utilization:g} of "
-            f"{total / GIB:.2f} GiB): use learner_dtype 'bfloat16', a smaller batch_blocks or "
-            f"draft vocabulary, a lower gpu_memory_utilization, or learner_device 'cpu'")
+            f"now): {in_use / GIB:.2f} GiB of the device is in use, over vLLM's share "
+            f"({share / GIB:.2f} GiB at {device_is}), which leaves it no KV cache: use "
+            f"learner_dtype 'bfloat16', a higher gpu_memory_utilization, or learner_device 'cpu'")
+    if fp.later > headroom:
+        raise MemoryError(
+            f"onlinespec: the learner adds {fp.later / GIB:.2f} GiB after start-up (an update's "
+            f"gradients and logits, or its second snapshot), outside vLLM's share "
+            f"({headroom / GIB:.2f} GiB at {device_is}): use learner_dtype 'bfloat16', a smaller "
+            f"batch_blocks or draft vocabulary, a lower gpu_memory_utilization, or "
+            f"learner_device 'cpu'")

@@ -6,8 +6,12 @@ for future blocks and their final hidden states give the target's distribution f
 position. Rejected draft rows are dropped; the bonus token arrives as next step's first row.
 
 On a GPU the rows are gathered on the device and copied into pinned host memory without
-blocking the serving thread; the step's feedback is handed on one step later (FeedbackPipe),
-when that copy has long finished. On CPU the copy is an ordinary gather, handed on at once.
+blocking the serving thread: the gather index goes up from pinned memory, every download
+(features, ids, each record's first position: vLLM 0.32 keeps `positions` on the GPU only) is a
+non-blocking copy, and nothing between them and the event recorded after them reads a device
+value on the host. The step's feedback is handed on one step later (FeedbackPipe), when those
+copies have long finished; only then are the records' start positions read. On CPU the copy is
+an ordinary gather, handed on at once.
 """
 
 from __future__ import annotations
@@ -41,11 +45,18 @@ class StepFeedback:
     records: list[FeedbackRecord]
     finished: list[str] = field(default_factory=list)
     ready: Any = None  # CUDA event recorded after the device-to-host copies; None: usable now
+    # Each record's start position, a host tensor being copied until `ready` fires (the
+    # records carry -1 until then); None: the records have theirs.
+    starts: torch.Tensor | None = None
 
     def wait(self) -> None:
         if self.ready is not None:
             self.ready.synchronize()
             self.ready = None
+        if self.starts is not None:
+            for rec, pos in zip(self.records, self.starts.tolist()):
+                rec.start_pos = pos
+            self.starts = None
 
 
 class FeedbackPipe:
@@ -91,6 +102,16 @@ def _to_host(t: torch.Tensor, dtype: torch.dtype, pinned: bool) -> torch.Tensor:
     return out
 
 
+def _to_device(idx: torch.Tensor, device: torch.device, pinned: bool) -> torch.Tensor:
+    """A host index on `device`; with `pinned`, staged in page-locked memory and copied without
+    blocking (a pageable host-to-device copy waits for the stream)."""
+    if not pinned or device.type != "cuda":
+        return idx.to(device)
+    staged = torch.empty(idx.shape, dtype=idx.dtype, pin_memory=True)
+    staged.copy_(idx)
+    return staged.to(device, non_blocking=True)
+
+
 def records_from_step(view: StepView, accepted: list[int], version: int,
                       feature_dtype: torch.dtype | None = None,
                       async_copy: bool = False) -> StepFeedback:
@@ -98,39 +119,47 @@ def records_from_step(view: StepView, accepted: list[int], version: int,
     inference mode: tensors made inside it can never join an autograd graph. `version`: the
     drafter version that proposed the drafts this step verified (each record's tag).
     `async_copy` (CUDA views only): the copies do not block; the result's `ready` event says
-    when its tensors are valid."""
+    when its tensors are valid, and `wait()` fills the records' start positions."""
     if not view.aux_hidden_states:
         return StepFeedback([])
-    rows = committed_rows(view, accepted)
-    take = torch.cat([torch.arange(s, s + k) for s, k in rows if k > 0]) if rows else None
-    if take is None or take.numel() == 0:
+    rows = [(i, s, k) for i, (s, k) in enumerate(committed_rows(view, accepted)) if k > 0]
+    if not rows:
         return StepFeedback([])
     dtype = feature_dtype or view.hidden_states.dtype
     pinned = async_copy and view.hidden_states.device.type == "cuda"
-    # One gather per tensor for the whole batch, then cheap splits per request.
-    aux = torch.cat([h.index_select(0, take.to(h.device)) for h in view.aux_hidden_states], dim=-1)
-    # index_select already copies; the buffer clones each request's slice on push.
-    aux = _to_host(aux, dtype, pinned)
-    fin = _to_host(view.hidden_states.index_select(0, take.to(view.hidden_states.device)),
+    # One gather per tensor for the whole batch, then cheap splits per request. index_select
+    # already copies; the buffer clones each request's slice on push. The indices go up once
+    # per device (vLLM's input ids may be its host buffer while the states are on the GPU).
+    committed = torch.cat([torch.arange(s, s + k) for _, s, k in rows])
+    firsts = torch.tensor([s for _, s, _ in rows])
+    up: dict[tuple[int, torch.device], torch.Tensor] = {}
+
+    def pick(t: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+        if (id(idx), t.device) not in up:
+            up[id(idx), t.device] = _to_device(idx, t.device, pinned)
+        return t.index_select(0, up[id(idx), t.device])
+
+    aux = _to_host(torch.cat([pick(h, committed) for h in view.aux_hidden_states], dim=-1),
                    dtype, pinned)
-    ids = _to_host(view.input_ids.index_select(0, take.to(view.input_ids.device)), torch.long,
-                   pinned)
-    pos = view.positions.index_select(0, take.to(view.positions.device)).to("cpu")  # read now
+    fin = _to_host(pick(view.hidden_states, committed), dtype, pinned)
+    ids = _to_host(pick(view.input_ids, committed), torch.long, pinned)
+    starts = _to_host(pick(view.positions, firsts), torch.long, pinned)
     ready = None
     if pinned:
         ready = torch.cuda.Event()
         ready.record()
     records, off = [], 0
-    for i, (_, k) in enumerate(rows):
-        if k == 0:
-            continue
+    for i, _, k in rows:
         drafted = view.num_draft_tokens[i] if view.num_draft_tokens is not None else 0
         records.append(FeedbackRecord(
-            req_id=view.req_ids[i], token_ids=ids[off:off + k], start_pos=int(pos[off]),
+            req_id=view.req_ids[i], token_ids=ids[off:off + k], start_pos=-1,
             aux=aux[off:off + k], target_hidden=fin[off:off + k], num_draft=drafted,
             num_accepted=accepted[i] if drafted else 0, drafter_version=version))
         off += k
-    return StepFeedback(records, ready=ready)
+    fb = StepFeedback(records, ready=ready, starts=starts)
+    if ready is None:
+        fb.wait()  # host copies: the positions are there now
+    return fb
 
 
 class FeedbackStage:

@@ -13,9 +13,12 @@
     serving/guard.py          every hook's failures and silent skips, counted
 
 The serving thread only ever does cheap things here (clone feedback rows into the buffer, swap
-in the newest published weights, cut drafts); the learner thread does the training. Nothing
-that goes wrong on the learning side may reach the serving path: each stage runs under its own
-guard, so a stage that fails every step still leaves the others working.
+in the newest published weights, cut drafts); the learner thread does the training. That thread
+starts only once vLLM's `compile_or_warm_up_model` returned (`warmed_up`, called by the worker):
+the session is built inside `load_model`, before vLLM profiles memory and captures its CUDA
+graphs, and a CUDA call from another thread while a graph is being captured breaks the capture.
+Nothing that goes wrong on the learning side may reach the serving path: each stage runs under
+its own guard, so a stage that fails every step still leaves the others working.
 """
 
 from __future__ import annotations
@@ -94,13 +97,26 @@ class OnlineSession:
                 self.publisher.publish(latest)
                 self.cutter.refresh(latest[1], latest[0])
                 self._drafted_by = self.publisher.version
-            self.learner.start()
+            self._start_pending = True  # warmed_up() starts it, after vLLM's graph capture
         logger.info("onlinespec: worker ready (learning=%s, algorithm=%s, K=%d); %s",
-                    cfg.enabled, cfg.algorithm, self.K, self.cutter.describe())
+                    cfg.enabled, cfg.update.algorithm, self.K, self.cutter.describe())
 
     @classmethod
     def start(cls, runner: Any, guard: HookGuard | None = None) -> "OnlineSession":
         return cls(runner, config_from_vllm(runner.vllm_config), guard)
+
+    _start_pending = False  # a learner waits for vLLM's warm-up to end (see warmed_up)
+
+    def warmed_up(self, runner: Any) -> None:
+        """vLLM's compile_or_warm_up_model returned (memory profiled, KV cache allocated, CUDA
+        graphs captured): price a step, then start the learner thread."""
+        self.probe_step_cost(runner)
+        self.start_learning()
+
+    def start_learning(self) -> None:
+        if self._start_pending:
+            self._start_pending = False
+            self.learner.start()
 
     learner = property(lambda self: self.parts.learner if self.parts is not None else None)
     buffer = property(lambda self: self.parts.buffer if self.parts is not None else None)
@@ -149,6 +165,7 @@ class OnlineSession:
     def after_step(self, runner: Any, view: compat.StepView | None, sampled: Any) -> None:
         """Feedback, publish and metrics, each under its own guard."""
         self.steps += 1
+        self.start_learning()  # a worker that skipped vLLM's warm-up (elastic EP): now, after it
         verified_by, self._drafted_by = self._drafted_by, self.publisher.version
         with self.guard(G.FEEDBACK):
             self.feedback.observe(view, sampled, verified_by)

@@ -34,8 +34,8 @@ class SpecDecodeWorker(_Base):  # type: ignore[misc, valid-type]
         out = super().compile_or_warm_up_model(*args, **kwargs)
         runner = getattr(self, "model_runner", None)
         session = getattr(runner, "_onlinespec", None)
-        if session is not None:
-            session.probe_step_cost(runner)  # after warm-up: compiled, KV cache allocated
+        if session is not None:  # compiled, KV cache allocated, CUDA graphs captured: price
+            session.warmed_up(runner)  # a step, then start the learner thread
         return out
 
     def onlinespec_stats(self) -> dict:
