@@ -133,3 +133,39 @@ def test_all_mode_is_refused_under_tensor_parallelism():
     assert config_from_vllm(vllm_config("seeded", 2)).invariant_sampling == "seeded"
     with pytest.raises(ConfigError, match="tensor parallelism"):
         config_from_vllm(vllm_config("all", 2))
+
+
+def test_a_deterministic_draft_is_accepted_as_often_as_under_rejection_sampling():
+    """A greedy (deterministic) draft d is accepted with probability p(d) under both rules:
+    vLLM's rejection sampling without draft probabilities accepts iff u <= p(d) (u uniform,
+    rejection_sampler.py's NO_DRAFT_PROBS path), the invariant rule iff argmax(log p + G) = d.
+    Per position, and for the accepted length of two drafts: n seeds each, tolerance 4
+    binomial standard errors."""
+    torch.manual_seed(3)
+    vocab, n = 600, 40_000  # three sampling blocks
+    logits = torch.full((2, vocab), -9.0)
+    logits[:, :8] = torch.randn(2, 8) * 1.5
+    logits[:, 300:303] = torch.randn(2, 3)
+    p = torch.softmax(logits.double(), -1)
+    seeds, pos = torch.arange(n) + 77, torch.tensor([40, 41])
+    inv = torch.stack([invariant_tokens(logits[j].expand(n, -1), seeds, pos[j].expand(n))
+                       for j in range(2)], dim=1)  # [n, 2]
+    u = torch.rand(n, 2, generator=torch.Generator().manual_seed(5), dtype=torch.float64)
+    for d in (int(p[0].argmax()), 300, 5):  # the mode, a token in another block, a rare one
+        pd = float(p[0, d])
+        se = math.sqrt(pd * (1 - pd) / n)
+        f_inv = float((inv[:, 0] == d).double().mean())
+        f_rej = float((u[:, 0] <= pd).double().mean())
+        assert abs(f_inv - pd) < 4 * se and abs(f_rej - pd) < 4 * se, (d, pd, f_inv, f_rej)
+        assert abs(f_inv - f_rej) < 4 * math.sqrt(2) * se, (d, f_inv, f_rej)
+    # two drafts (the positions' modes): accepted length 0, 1 or 2, the same distribution
+    drafts = p.argmax(-1)
+    a_inv = accepted_lengths(drafts.expand(n, -1), inv).double()
+    a_rej = torch.cumprod((u <= p.gather(1, drafts[:, None]).squeeze(1)).long(), 1).sum(1).double()
+    p1, p2 = float(p[0, drafts[0]]), float(p[1, drafts[1]])
+    probs = {0: 1 - p1, 1: p1 * (1 - p2), 2: p1 * p2}
+    mean = sum(a * q for a, q in probs.items())
+    var = sum(a * a * q for a, q in probs.items()) - mean ** 2
+    se = math.sqrt(var / n)
+    assert abs(float(a_inv.mean()) - mean) < 4 * se and abs(float(a_rej.mean()) - mean) < 4 * se
+    assert abs(float(a_inv.mean() - a_rej.mean())) < 4 * math.sqrt(2) * se

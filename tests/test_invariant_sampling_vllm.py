@@ -26,7 +26,8 @@ from test_sampled_lossless import (N_DRAWS, P_FLOOR, chat, fit, hf_greedy, hf_ta
 pytestmark = pytest.mark.vllm
 
 LOOKUP = {"enabled": True, "min_n": 1, "min_tokens": 1}
-ONLINE = {"lr": 1e-3, "min_new_tokens_per_update": 8, "learner_cpu_share": 0.8,
+ONLINE = {"update": {"lr": 1e-3}, "min_new_tokens_per_update": 8,
+          "pacing": {"learner_cpu_share": 0.8},
           "length_head": {"policy": "adaflash"}, "prompt_lookup": LOOKUP,
           "sampling": {"coupled_drafts": True}}
 MAX_TOKENS = 24

@@ -6,8 +6,12 @@ counter-based stream keyed by (request seed, absolute position, token id), the t
 argmax_v(log p[v] + G[v]), an exact sample of p (taken in two levels, a block of the vocabulary
 then a token in it, so that only a few hundred noise values are drawn per position). A draft token is accepted iff it equals that
 token, so what is emitted never depends on the drafter, K, a cut or a lookup draft: only on the
-seed and the target's (processed) logits. A drafter that drafts argmax(log q + G) with the same
-noise matches with probability >= (1 - TV) / (1 + TV).
+seed and the target's (processed) logits. A deterministic (greedy) draft d is accepted with
+probability p(d), as under rejection sampling without draft probabilities. A drafter that
+drafts with the same two-level noise (argmax(log q + G)) matches at a rate that depends on how
+close q is to p; the paper's (1 - TV) / (1 + TV) floor is for one-level Gumbel-max over the
+whole vocabulary and does not carry over to the two-level draw (a 5-token, 2-block
+counterexample: TV 0.351, floor 0.480, match rate 0.444 over 20 000 seeds).
 
 Pure functions of tensors; the serving layer supplies the processed logits (after temperature,
 top-k/top-p and every other logits processor), the seeds and the positions

@@ -15,6 +15,11 @@ one) or with thinking-budget state (its processing has side effects). min_p and 
 never reach a speculative engine (vLLM's SamplingParams refuses them). Greedy requests are
 never touched. Logprobs are recomputed for the rewritten tokens (raw logprobs modes; the
 processed ones are refused at start-up by validate.py).
+
+A step's rewrite is committed only where it succeeded on every tensor-parallel rank (a vote,
+all-reduce MIN over vLLM's TP CPU group): a rank that fails (e.g. out of memory on a logits
+copy) makes every rank keep vLLM's own sample for that step (counted in `fallbacks` as
+"rewrite failed"), so the ranks never commit different tokens.
 """
 
 from __future__ import annotations
@@ -36,11 +41,30 @@ _SEED_MASK = (1 << 63) - 1  # seeds travel as int64
 
 def _constrained(x: torch.Tensor, counts: list[int], sm: Any) -> torch.Tensor:
     """vLLM's temperature and top-k/top-p on rows laid out `counts[i]` per batch request i
-    (request-major), as its rejection sampler applies them to draft positions."""
-    from vllm.v1.sample.rejection_sampler import apply_sampling_constraints
+    (request-major), as its rejection sampler applies them to draft positions.
 
-    cu = torch.tensor(counts, dtype=torch.int64).cumsum(0).to(torch.int32).to(x.device)
-    return apply_sampling_constraints(x, cu, sm)
+    vLLM spreads each request's parameters over its rows with `expand_kernel`, which writes at
+    most MAX_SPEC_LEN (128) rows per request and leaves the rest uninitialised: at K = 128 a
+    request's bonus row is its 129th. Rows past that bound are processed in further passes of
+    at most MAX_SPEC_LEN rows per request; the parameters are per request, so a row's result
+    does not depend on its pass."""
+    from vllm.v1.sample.rejection_sampler import MAX_SPEC_LEN, apply_sampling_constraints
+
+    def one_pass(rows: torch.Tensor, cs: list[int]) -> torch.Tensor:
+        cu = torch.tensor(cs, dtype=torch.int64).cumsum(0).to(torch.int32).to(rows.device)
+        return apply_sampling_constraints(rows, cu, sm)
+
+    cap = int(MAX_SPEC_LEN)
+    longest = max(counts, default=0)
+    if longest <= cap:
+        return one_pass(x, counts)
+    starts = [0, *itertools.accumulate(counts)][:-1]
+    for p in range(0, longest, cap):
+        part = [min(max(c - p, 0), cap) for c in counts]
+        idx = torch.tensor([s + p + j for s, n in zip(starts, part) for j in range(n)],
+                           dtype=torch.long, device=x.device)
+        x = x.index_copy(0, idx, one_pass(x.index_select(0, idx), part).to(x.dtype))
+    return x
 
 
 @dataclass
@@ -50,8 +74,9 @@ class _Pending:
     seeds: list[int]
     positions: list[int]  # absolute index of the first token each covered request samples
     drafts: list[list[int]]  # each covered request's drafts this step ([] on a plain step)
-    raw: torch.Tensor  # [sum(len(d) + 1), V] raw logits of the covered rows, in request order
+    raw: torch.Tensor | None  # [sum(len(d) + 1), V] raw logits of the covered rows, in order
     full_raw: torch.Tensor | None  # every logits row, kept only when logprobs are asked for
+    error: Exception | None = None  # `before` failed on this rank: `after` votes to fall back
 
 
 @dataclass
@@ -61,6 +86,9 @@ class InvariantVerifier:
     covered_steps: int = 0  # request-steps rewritten
     coupled_rows: int = 0  # request-steps whose drafts were drawn with the verifier's noise
     fallbacks: dict[str, int] = field(default_factory=dict)  # reason -> request-steps not covered
+    # The tensor-parallel group whose ranks must agree on each step's rewrite: "auto" resolves
+    # vLLM's TP group (None without TP) at the first rewrite; tests pass one.
+    group: Any = field(default="auto", repr=False)
 
     # -- which requests ---------------------------------------------------------------------------
     def _seed_of(self, req_id: str, generator: torch.Generator | None) -> int:
@@ -112,9 +140,10 @@ class InvariantVerifier:
         """Draft ids with the covered requests' rows redrawn as argmax(log q + G): the drafter's
         distribution q (temperature and top-k/top-p as the request asks) under the same keyed
         noise G the verifier will use at those positions. A greedy draft is accepted with
-        probability p(draft); a coupled one with at least (1 - TV) / (1 + TV), more where
-        the target spreads its mass (sampled traffic at temperature ~1). hidden: [B*K, H], the
-        drafter's rows request-major, as vLLM samples them."""
+        probability p(draft); how often a coupled one matches the verifier's token depends on
+        how close q is to p (no (1 - TV) / (1 + TV) floor for this two-level draw:
+        sampling/invariant.py).
+        hidden: [B*K, H], the drafter's rows request-major, as vLLM samples them."""
         from vllm_onlinespec.sampling.invariant import PLACEHOLDER
 
         batch, sampled = runner.input_batch, getattr(runner, "_onlinespec_sampled", None)
@@ -156,29 +185,76 @@ class InvariantVerifier:
         rows = self._covered(batch, sm, count=True)
         if not rows:
             return None
-        gens = sm.generators
-        if spec is None:  # a plain step: row i is request i's one position
-            drafts, take = [[] for _ in rows], list(rows)
-        else:  # request i: its target rows, then its bonus row
-            counts = list(spec.num_draft_tokens)
-            starts = [0, *itertools.accumulate(counts)]
-            flat = spec.draft_token_ids.tolist()
-            tgt = spec.target_logits_indices.tolist()
-            bonus = spec.bonus_logits_indices.tolist()
-            drafts = [flat[starts[i]:starts[i + 1]] for i in rows]
-            take = [j for i in rows for j in (*tgt[starts[i]:starts[i + 1]], bonus[i])]
-        return _Pending(
-            rows=rows,
-            seeds=[self._seed_of(batch.req_ids[i], gens.get(i)) for i in rows],
-            positions=[int(batch.num_tokens_no_spec[i]) for i in rows],
-            drafts=drafts,
-            raw=logits.index_select(0, torch.tensor(take, dtype=torch.long,
-                                                    device=logits.device)).to(torch.float32),
-            full_raw=(logits.to(torch.float32).clone() if sm.max_num_logprobs is not None
-                      else None))
+        # From here on a failure (e.g. out of memory on the copies) is not raised but carried
+        # to `after`, which every rank then reaches: the rows above are a function of the batch,
+        # the same on every TP rank, so the ranks' `after` calls meet in its vote. (Choosing
+        # them allocates nothing but a host copy of the temperatures; a failure there is not
+        # voted on.)
+        try:
+            gens = sm.generators
+            if spec is None:  # a plain step: row i is request i's one position
+                drafts, take = [[] for _ in rows], list(rows)
+            else:  # request i: its target rows, then its bonus row
+                counts = list(spec.num_draft_tokens)
+                starts = [0, *itertools.accumulate(counts)]
+                flat = spec.draft_token_ids.tolist()
+                tgt = spec.target_logits_indices.tolist()
+                bonus = spec.bonus_logits_indices.tolist()
+                drafts = [flat[starts[i]:starts[i + 1]] for i in rows]
+                take = [j for i in rows for j in (*tgt[starts[i]:starts[i + 1]], bonus[i])]
+            return _Pending(
+                rows=rows,
+                seeds=[self._seed_of(batch.req_ids[i], gens.get(i)) for i in rows],
+                positions=[int(batch.num_tokens_no_spec[i]) for i in rows],
+                drafts=drafts,
+                raw=logits.index_select(0, torch.tensor(take, dtype=torch.long,
+                                                        device=logits.device)).to(torch.float32),
+                full_raw=(logits.to(torch.float32).clone() if sm.max_num_logprobs is not None
+                          else None))
+        except Exception as e:  # noqa: BLE001 - re-raised by `after`, after the vote
+            return _Pending(rows=rows, seeds=[], positions=[], drafts=[], raw=None,
+                            full_raw=None, error=e)
 
     def after(self, runner: Any, pending: _Pending, spec: Any, out: Any) -> None:
-        """Rewrites the covered requests' rows of vLLM's SamplerOutput `out` in place."""
+        """Rewrites the covered requests' rows of vLLM's SamplerOutput `out` in place, if the
+        rewrite succeeded on every tensor-parallel rank. Otherwise every rank keeps vLLM's own
+        sample (the same on every rank: same seeds, same logits), the request-steps are counted
+        in `fallbacks` ("rewrite failed"), and a rank whose own rewrite failed re-raises its
+        error (the runner's guard counts and logs it)."""
+        error, result = pending.error, None
+        if error is None:
+            try:
+                result = self._rewrite(runner, pending, spec, out)
+            except Exception as e:  # noqa: BLE001 - re-raised below, after the vote
+                error = e
+        if not self._agreed(error is None):
+            self._skip("rewrite failed", len(pending.rows))
+            if error is not None:
+                raise error
+            return
+        sampled, logprobs = result
+        out.sampled_token_ids.copy_(sampled)
+        out.logprobs_tensors = logprobs
+        self.covered_steps += len(pending.rows)
+
+    def _agreed(self, ok: bool) -> bool:
+        """Whether every rank of the TP group has `ok` (all-reduce MIN over vLLM's CPU (gloo)
+        group; one collective per covered step, only under TP). Without TP: `ok`."""
+        if isinstance(self.group, str):  # "auto"
+            from vllm_onlinespec.serving.compat.parallel import tp_group
+
+            self.group = tp_group()
+        if self.group is None:
+            return ok
+        import torch.distributed as dist
+
+        flag = torch.tensor([1 if ok else 0], dtype=torch.int32)
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self.group.cpu_group)
+        return bool(flag.item())
+
+    def _rewrite(self, runner: Any, pending: _Pending, spec: Any, out: Any
+                 ) -> tuple[torch.Tensor, Any]:
+        """The rewritten sampled_token_ids and logprobs; `out` untouched."""
         batch = runner.input_batch
         sm = batch.sampling_metadata
         n = len(batch.req_ids)
@@ -198,10 +274,7 @@ class InvariantVerifier:
             rows, dtype=sampled.dtype, device=sampled.device)
         logprobs = (self._logprobs(runner, sm, spec, pending.full_raw, sampled)
                     if pending.full_raw is not None else out.logprobs_tensors)
-        # Committed only once everything is computed: a failure above leaves vLLM's own sample.
-        out.sampled_token_ids.copy_(sampled)
-        out.logprobs_tensors = logprobs
-        self.covered_steps += len(pending.rows)
+        return sampled, logprobs
 
     def _processed(self, rs: Any, sm: Any, pending: _Pending, n: int) -> torch.Tensor:
         """The covered rows' logits processed as vLLM processes a draft position: every
