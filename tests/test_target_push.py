@@ -54,3 +54,19 @@ def test_bad_pushes_fail_in_one_line_naming_the_problem(served):
     assert "not a floating-point tensor" in one_line({**state, name: torch.zeros(64, 32, dtype=torch.int64)}, current)
     assert "empty" in one_line({}, current)
     assert "(name, tensor) pairs" in one_line([("x",)], current)
+
+
+def test_the_push_travels_as_one_safetensors_buffer(served):
+    """What push_target sends through vLLM's RPC (msgpack, no pickle) comes back whole in the
+    worker; a buffer that is not safetensors is one line."""
+    from safetensors.torch import save
+
+    from vllm_onlinespec.serving.target_swap import unpack_push
+
+    current, state = served
+    back = unpack_push(save({n: t.contiguous() for n, t in state.items()}))
+    assert set(back) == set(state) and all(torch.equal(back[n], state[n]) for n in state)
+    assert len(check_push(current, back)) == len(state)
+    with pytest.raises(SwapError) as e:
+        unpack_push(b"not safetensors")
+    assert "not a safetensors buffer" in str(e.value) and "\n" not in str(e.value)

@@ -149,9 +149,32 @@ def push_target(llm: Any, weights: Mapping[str, Any] | Iterable[tuple[str, Any]]
     line, and nothing is sent. Returns the first worker's report, as swap_target does."""
     from vllm_onlinespec.serving import compat
 
+    from safetensors.torch import save
+
     items = check_push(compat.served_hf_config(llm.llm_engine.vllm_config), weights)
-    payload = {n: t.detach().to("cpu").contiguous() for n, t in items}
+    # vLLM's RPC encoder (msgpack, no pickle) turns an untyped tensor into a bare list: the
+    # weights travel as one safetensors buffer, bytes msgpack carries as they are.
+    # Tied weights share storage, which safetensors refuses: those are copied once.
+    tensors, seen = {}, set()
+    for n, t in items:
+        t = t.detach().to("cpu").contiguous()
+        tensors[n] = t.clone() if t.data_ptr() in seen else t
+        seen.add(t.data_ptr())
+    payload = save(tensors)
     return llm.collective_rpc("onlinespec_push_target", args=(payload,))[0]
+
+
+def unpack_push(payload: Any) -> Any:
+    """The worker's side of push_target: a safetensors buffer back into {name: tensor}; anything
+    else is passed on for check_push to judge."""
+    if isinstance(payload, (bytes, bytearray, memoryview)):
+        from safetensors.torch import load
+
+        try:
+            return load(bytes(payload))
+        except Exception as e:  # noqa: BLE001 - a corrupt buffer is the caller's error
+            raise SwapError(f"pushed weights are not a safetensors buffer: {e}") from None
+    return payload
 
 
 def follow_swap(session: Any, runner: Any, reload: Callable[[], None]) -> dict:

