@@ -46,6 +46,18 @@ def bad_folder(src: str, dest, **change) -> str:
     return str(dest)
 
 
+def refusals(call, llm, bad_inputs) -> list[str]:
+    """The one-line SwapError each bad input gets from `call(llm, input)`."""
+    from vllm_onlinespec.serving.target_swap import SwapError
+
+    out = []
+    for bad in bad_inputs:
+        with pytest.raises(SwapError) as e:
+            call(llm, bad)
+        out.append(str(e.value))
+    return out
+
+
 @pytest.fixture(scope="module")
 def served(smollm2_path, variant, tmp_path_factory):
     from vllm import LLM, SamplingParams
@@ -53,7 +65,6 @@ def served(smollm2_path, variant, tmp_path_factory):
     from vllm_onlinespec import models, push_target, swap_target
     from vllm_onlinespec.engine import engine_kwargs
     from vllm_onlinespec.serving.stats import fetch
-    from vllm_onlinespec.serving.target_swap import SwapError
 
     tmp = tmp_path_factory.mktemp("swap-bad")
     llm = LLM(model=smollm2_path, dtype="float32", **engine_kwargs(max_model_len=512),
@@ -64,25 +75,19 @@ def served(smollm2_path, variant, tmp_path_factory):
                                                 "batch_blocks": 4}})
     msgs = [[{"role": "user", "content": p}] for p in PROMPTS]
     sp = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
-    out = {"before": llm.chat(msgs, sp, use_tqdm=False), "errors": []}
-    for path in (str(tmp / "missing"),
-                 bad_folder(smollm2_path, tmp / "vocab", vocab_size=32000),
-                 bad_folder(smollm2_path, tmp / "arch", architectures=["MistralForCausalLM"])):
-        with pytest.raises(SwapError) as e:
-            swap_target(llm, path)
-        out["errors"].append(str(e.value))
+    out = {"before": llm.chat(msgs, sp, use_tqdm=False)}
+    out["errors"] = refusals(swap_target, llm, (
+        str(tmp / "missing"), bad_folder(smollm2_path, tmp / "vocab", vocab_size=32000),
+        bad_folder(smollm2_path, tmp / "arch", architectures=["MistralForCausalLM"])))
     out["after_failed"] = llm.chat(msgs, sp, use_tqdm=False)
     out["report"] = swap_target(llm, variant)
     out["after"] = llm.chat(msgs, sp, use_tqdm=False)
     base = hf(smollm2_path).state_dict()
     up = "model.layers.0.mlp.up_proj.weight"
-    out["push_errors"] = []
-    for bad in ({**base, "model.layers.99.mlp.up_proj.weight": base[up]},
-                {**base, up: base[up][:, :-1]},
-                {**base, "model.embed_tokens.weight": torch.zeros(32000, base[up].shape[1])}):
-        with pytest.raises(SwapError) as e:
-            push_target(llm, bad)
-        out["push_errors"].append(str(e.value))
+    out["push_errors"] = refusals(push_target, llm, (
+        {**base, "model.layers.99.mlp.up_proj.weight": base[up]},
+        {**base, up: base[up][:, :-1]},
+        {**base, "model.embed_tokens.weight": torch.zeros(32000, base[up].shape[1])}))
     out["after_bad_push"] = llm.chat(msgs, sp, use_tqdm=False)
     out["push_report"] = push_target(llm, base)
     out["after_push"] = llm.chat(msgs, sp, use_tqdm=False)
