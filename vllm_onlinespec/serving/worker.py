@@ -30,6 +30,10 @@ class SpecDecodeWorker(_Base):  # type: ignore[misc, valid-type]
                                "set VLLM_USE_V2_MODEL_RUNNER=0")
         return runner_class(compat.base_runner_class())(self.vllm_config, self.device)
 
+    def _session(self):
+        """The model runner's OnlineSession, or None (no onlinespec runner, or not built yet)."""
+        return getattr(getattr(self, "model_runner", None), "_onlinespec", None)
+
     def compile_or_warm_up_model(self, *args, **kwargs):
         out = super().compile_or_warm_up_model(*args, **kwargs)
         runner = getattr(self, "model_runner", None)
@@ -42,7 +46,7 @@ class SpecDecodeWorker(_Base):  # type: ignore[misc, valid-type]
         """Learner, buffer, publishing, cutter and hook figures: `OnlineSpecStats.to_dict()`
         (a plain dict crosses the RPC boundary; read it back with
         `vllm_onlinespec.serving.stats.OnlineSpecStats.from_dict` or `stats.fetch(llm)`)."""
-        session = getattr(getattr(self, "model_runner", None), "_onlinespec", None)
+        session = self._session()
         return session.stats().to_dict() if session is not None else {}
 
     def onlinespec_step_profile(self) -> dict:
@@ -55,13 +59,13 @@ class SpecDecodeWorker(_Base):  # type: ignore[misc, valid-type]
 
     def onlinespec_flush_features(self) -> int:
         """Write the feature log's pending rows (config `features.dir`); rows logged so far."""
-        session = getattr(getattr(self, "model_runner", None), "_onlinespec", None)
+        session = self._session()
         return session.flush_features() if session is not None else 0
 
     def onlinespec_idle(self, seconds: float) -> dict:
         """The engine idles (e.g. between RL rollout rounds): let the learner train at full share
         for at most `seconds`, back early once it has caught up. {"seconds", "updates"}."""
-        session = getattr(getattr(self, "model_runner", None), "_onlinespec", None)
+        session = self._session()
         return session.idle(float(seconds)) if session is not None else {"seconds": 0.0, "updates": 0}
 
     def onlinespec_defects(self) -> str:
@@ -74,7 +78,7 @@ class SpecDecodeWorker(_Base):  # type: ignore[misc, valid-type]
     def onlinespec_digest(self) -> str:
         """sha256 of vLLM's drafter weights as loaded (read back from vLLM's module), to check
         resumes and publishes against a checkpoint's `drafter.*` tensors."""
-        session = getattr(getattr(self, "model_runner", None), "_onlinespec", None)
+        session = self._session()
         return session.digest() if session is not None else ""
 
     def onlinespec_swap_target(self, path: str) -> dict:
@@ -107,6 +111,27 @@ class SpecDecodeWorker(_Base):  # type: ignore[misc, valid-type]
             reload()
             return {"seconds": None, "dropped_tokens": 0, "swaps": None}
         return session.swap_target(runner, reload)
+
+    # vLLM's weight-transfer engine (start_weight_update, update_weights chunks,
+    # finish_weight_update): the NCCL / CUDA-IPC path RL frameworks push a new policy through.
+    def finish_weight_update(self, *args, **kwargs) -> None:
+        """Once the target's new weights are in, the learner follows as after a swap (paused for
+        the finish, the new embedding and LM head read, the old target's feedback dropped)."""
+        session = self._session()
+        finish = lambda: super(SpecDecodeWorker, self).finish_weight_update(*args, **kwargs)  # noqa: E731
+        if session is None or getattr(self, "_weight_update_is_draft", False):
+            return finish()
+        session.swap_target(self.model_runner, finish)
+        return None
+
+    def start_draft_weight_update(self, *args, **kwargs) -> None:
+        """Refused while the learner trains the drafter: its next publish would overwrite the
+        pushed weights."""
+        session = self._session()
+        if session is not None and session.cfg.enabled:
+            raise RuntimeError("onlinespec: the online learner owns the drafter's weights; push "
+                               "drafter weights with learning off (onlinespec.enabled = false)")
+        return super().start_draft_weight_update(*args, **kwargs)
 
     def shutdown(self) -> None:
         runner = getattr(self, "model_runner", None)
