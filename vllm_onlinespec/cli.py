@@ -11,7 +11,13 @@ VARIANT_STEPS = 160  # the shipped terse-steps adapter's optimizer steps
 def _model(args: argparse.Namespace) -> int:
     from vllm_onlinespec import models
 
-    if args.action == "pull":
+    if args.name in models.SERIES and args.action in ("pull", "path"):
+        for name in models.series_members(args.name, args.version):  # version 0: the base
+            print(models.pull(name, force=args.force) if args.action == "pull"
+                  else models.model_dir(name))
+    elif args.version is not None:
+        raise SystemExit(f"--version picks a member of a series ({', '.join(models.SERIES)})")
+    elif args.action == "pull":
         print(models.pull(args.name, force=args.force))
     elif args.action == "path":
         print(models.model_dir(args.name))
@@ -39,9 +45,23 @@ def _variant(args: argparse.Namespace) -> int:
     from vllm_onlinespec.training.variant import VariantRecipe, describe, make_variant
 
     torch.set_num_threads(args.threads or os.cpu_count() or 1)
-    recipe = VariantRecipe(steps=args.steps, r=args.rank, seed=args.seed)
-    out = make_variant(models.pull(args.base), args.out, recipe, base_name=args.base,
-                       cache_dir=models.cache_dir() / "generations")
+    defaults = VariantRecipe()
+    recipe = VariantRecipe(
+        steps=args.steps, r=args.rank, seed=args.seed, prompts=args.prompts or defaults.prompts,
+        max_answer_tokens=args.max_answer_tokens or defaults.max_answer_tokens,
+        lr=args.lr or defaults.lr, compute_dtype=args.compute_dtype)
+    common = dict(base_name=args.base, cache_dir=models.cache_dir() / "generations",
+                  generator=args.generator)
+    if args.trajectory:  # a policy that drifts: one adapter per checkpoint (training/drift.py)
+        from vllm_onlinespec.training.drift import make_trajectory, read_trajectory
+
+        out = make_trajectory(models.pull(args.base), args.out, recipe,
+                              versions=args.trajectory, **common)
+        for row in read_trajectory(out)["rows"]:
+            print(f"version {row['version']}: step {row['train_step']}, held-out loss "
+                  f"{row['heldout_loss']:.3f}, adapter {row['adapter'] or '(the base)'}")
+        return 0
+    out = make_variant(models.pull(args.base), args.out, recipe, **common)
     print(f"adapter: {out} ({describe(out)})")
     return 0
 
@@ -55,6 +75,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="drafter: print the folder of the DFlash drafter shipped for the model")
     m.add_argument("name", nargs="?", default="smollm2-135m")
     m.add_argument("--force", action="store_true", help="rebuild even if a valid folder exists")
+    m.add_argument("--version", type=int, default=None, help="a series (smollm2-135m-drift): "
+                   "only version k (0: the base); default every version")
     m.set_defaults(func=_model)
 
     v = sub.add_parser("variant", help="fine-tune the base model into the terse-steps variant "
@@ -65,6 +87,19 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--rank", type=int, default=8, help="LoRA rank")
     v.add_argument("--seed", type=int, default=0)
     v.add_argument("--threads", type=int, default=0, help="torch threads (0: every core)")
+    v.add_argument("--trajectory", type=int, default=0, metavar="N",
+                   help="save the adapter at N evenly spaced steps as OUT/v1..vN (a policy that "
+                   "drifts, training/drift.py); 0: one adapter at OUT")
+    v.add_argument("--generator", choices=["vllm", "hf"], default="vllm",
+                   help="what writes the prompts and answers: a vLLM engine, or HF transformers "
+                   "on CPU (its own cache; no engine)")
+    v.add_argument("--prompts", type=int, default=0, help="self-written prompts asked for "
+                   "(0: the recipe's 2400)")
+    v.add_argument("--max-answer-tokens", type=int, default=0,
+                   help="the base's answer length (0: the recipe's 256)")
+    v.add_argument("--lr", type=float, default=0.0, help="peak learning rate (0: the recipe's)")
+    v.add_argument("--compute-dtype", choices=["bfloat16", "float32"], default="bfloat16",
+                   help="CPU autocast dtype of training (float32 where the CPU lacks native bf16)")
     v.set_defaults(func=_variant)
 
     from vllm_onlinespec.serving_dtype import resolve_dtype_arg
@@ -81,13 +116,19 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_train_parser(sub)
 
+    from vllm_onlinespec.training.prompt_sets import add_prompts_parser
+
+    add_prompts_parser(sub)
+
     from vllm_onlinespec.bench.cli import add_bench_parser
     from vllm_onlinespec.bench.concurrency import add_bench_serve_parser
     from vllm_onlinespec.bench.demo import add_demo_parser
+    from vllm_onlinespec.bench.rl import add_bench_rl_parser
 
     add_demo_parser(sub)
     add_bench_parser(sub)
     add_bench_serve_parser(sub)
+    add_bench_rl_parser(sub)
     return p
 
 

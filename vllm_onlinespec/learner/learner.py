@@ -234,9 +234,22 @@ class OnlineLearner:
                 continue
             pause = max(busy * (1.0 / self.share - 1.0), min_gap - busy)
             if status != "updated":  # a failure that repeats instantly must not spin the CPU
-                pause = max(pause, self.idle_poll_s)
+                self._stop.wait(self.idle_poll_s)
+                pause -= self.idle_poll_s
             if pause > 0:
-                self._stop.wait(pause)
+                self._pace(pause)
+
+    def _pace(self, pause: float) -> None:
+        """Sleep `pause` seconds (the duty cycle), cut short by stop() or when serving idles
+        (`unthrottled`): an update starved beside serving has a long wall time, and the pause
+        it earns at the old share would otherwise sleep through the idle gap."""
+        end = time.monotonic() + pause
+        while not self._stop.is_set() and time.monotonic() >= self._full_share_until:
+            left = end - time.monotonic()
+            if left <= 0:
+                return
+            self._wake.wait(left)  # notify(), stop() and unthrottled() set it
+            self._wake.clear()
 
     # -- one update ------------------------------------------------------------------------------
     def sync_step(self, batch: Any = None) -> str:
@@ -295,10 +308,39 @@ class OnlineLearner:
         with self._model_lock:
             yield
 
+    _full_share_until = 0.0  # time.monotonic() before which the share is 1 (see unthrottled)
+
     @property
     def share(self) -> float:
         """Fraction of wall time the learner may be busy now."""
+        if time.monotonic() < self._full_share_until:
+            return 1.0
         return self.duty.share if self.duty is not None else self.cfg.pacing.learner_cpu_share
+
+    def unthrottled(self, seconds: float, poll_s: float = 0.05) -> dict[str, float]:
+        """Let the learner train at full share for at most `seconds` while serving idles (an RL
+        trainer's turn between two rollout rounds), returning early once it has caught up (no
+        batch ready and no update running). Its pacing and share control resume afterwards.
+        A pacing pause the learner is sleeping in ends now (`_pace`). Updates not yet published at the end (publish.every_n_updates) are published
+        then, so that serving picks them up at its next step.
+        Returns {"seconds": time used, "updates": updates done meanwhile}."""
+        t0, u0 = time.perf_counter(), self.updates
+        self._full_share_until = time.monotonic() + seconds
+        self._wake.set()
+        try:
+            while self.running and time.perf_counter() - t0 < seconds:
+                if self.ready is not None and not self.ready(self.buffer):
+                    if self._model_lock.acquire(blocking=False):  # no update in progress
+                        self._model_lock.release()
+                        if not self.ready(self.buffer):
+                            break
+                time.sleep(poll_s)
+        finally:
+            self._full_share_until = 0.0
+        with self._model_lock:
+            if self.updates > u0 and self.updates % self.cfg.publish.every_n_updates:
+                self._publish(self.version + 1)
+        return {"seconds": time.perf_counter() - t0, "updates": self.updates - u0}
 
     def _score_gain(self, batch: Any) -> None:
         """One gain score before an update: the current and the frozen start weights on the

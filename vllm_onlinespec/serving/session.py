@@ -200,6 +200,13 @@ class OnlineSession:
     def swap_target(self, runner: Any, reload: Callable[[], None]) -> dict:
         return follow_swap(self, runner, reload)
 
+    def idle(self, seconds: float) -> dict[str, float]:
+        """Serving idles for `seconds`: the learner trains at full share meanwhile (returns
+        early once caught up); {"seconds": 0, "updates": 0} without a learner."""
+        if self.learner is None:
+            return {"seconds": 0.0, "updates": 0}
+        return self.learner.unthrottled(seconds)
+
     def flush_features(self) -> int:
         """Write the feature log's pending rows now; the rows logged so far (0 when off)."""
         if self.feature_log is None:

@@ -12,6 +12,11 @@ data the project generates itself, reproducibly and small enough to ship:
   3. a rank-r LoRA on every attention and MLP projection trained on (prompt, restyled answer),
      loss on the answer tokens only; saved in PEFT's format (training/lora.py).
 
+The same training loop (`train_adapter`) also runs as a trajectory that saves the adapter at
+evenly spaced steps (training/drift.py): a policy that drifts, one version per checkpoint.
+Prompts in the shipped drafter's held-out list are never trained on (`heldout_texts`), so the
+drafter's held-out acceptance on any version measures prompts neither model saw.
+
 `vllm-onlinespec model pull smollm2-135m-terse` merges the shipped adapter into the base
 weights (models.py): an ordinary HF folder vLLM serves like any other model.
 """
@@ -76,6 +81,13 @@ class VariantRecipe:
     lr: float = 1e-3  # AdamW, cosine to 10 % after 20 warm-up steps
     max_seq: int = 384  # tokens per training sequence (prompt + answer), longer ones truncated
     heldout: int = 48  # restyled answers kept out of training, for the loss reported at the end
+    # CPU autocast dtype of the training forward ("float32": none). bfloat16 is fast only where
+    # the CPU computes it natively (AVX512-BF16, AMX); elsewhere float32 is ~3x faster.
+    compute_dtype: str = "bfloat16"
+
+    def __post_init__(self) -> None:
+        if self.compute_dtype not in ("bfloat16", "float32"):
+            raise ValueError(f"compute_dtype must be bfloat16 or float32, not {self.compute_dtype!r}")
 
 
 @dataclass
@@ -121,10 +133,21 @@ def answer_loss(model: torch.nn.Module, batch: Sequence[Example], pad_id: int) -
     return torch.nn.functional.cross_entropy(logits, labels)
 
 
+# Called at each checkpoint step (1-based, after that step's update) with the model's wrappers
+# and its held-out loss; the model is in eval mode meanwhile.
+OnCheckpoint = Callable[[int, dict[str, lora.LoRALinear], float], None]
+
+
 def train_adapter(model: torch.nn.Module, examples: list[Example], recipe: VariantRecipe, *,
-                  pad_id: int, log: Callable[[str], None] = print
+                  pad_id: int, log: Callable[[str], None] = print,
+                  checkpoints: Sequence[int] = (), on_checkpoint: OnCheckpoint | None = None
                   ) -> tuple[dict[str, lora.LoRALinear], dict]:
-    """Attach a LoRA to `model` and train it on the examples; returns (wrappers, report)."""
+    """Attach a LoRA to `model` and train it on the examples; returns (wrappers, report).
+    After each step in `checkpoints` (1-based), the held-out loss is measured and passed with
+    the wrappers to `on_checkpoint` (training/drift.py saves a version there)."""
+    bad = [c for c in checkpoints if not 1 <= c <= recipe.steps]
+    if bad:
+        raise ValueError(f"checkpoint steps {bad} outside 1..{recipe.steps}")
     cfg = lora.LoRAConfig(r=recipe.r, alpha=recipe.alpha)
     layers = model.base_model.layers
     first = int(len(layers) * recipe.layers_from)
@@ -135,6 +158,7 @@ def train_adapter(model: torch.nn.Module, examples: list[Example], recipe: Varia
     held, train = examples[: recipe.heldout], examples[recipe.heldout:]
     if not train:
         raise ValueError(f"no training examples left after holding out {recipe.heldout}")
+    autocast = recipe.compute_dtype == "bfloat16" and not torch.cuda.is_available()
 
     def lr_at(step: int) -> float:
         if step < 20:
@@ -143,16 +167,21 @@ def train_adapter(model: torch.nn.Module, examples: list[Example], recipe: Varia
         return recipe.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * t)))
 
     def held_loss() -> float:
+        if not held:
+            return float("nan")
+        mode = model.training
+        model.eval()
         with torch.no_grad():
             losses = [answer_loss(model, held[i:i + recipe.batch_size], pad_id).item()
                       for i in range(0, len(held), recipe.batch_size)]
-        return sum(losses) / max(1, len(losses))
+        model.train(mode)
+        return sum(losses) / len(losses)
 
-    before = held_loss() if held else float("nan")
+    before = held_loss()
     log(f"variant: {len(train)} training / {len(held)} held-out examples, "
         f"{sum(p.numel() for p in params) / 1e6:.2f} M adapter parameters; held-out loss "
         f"before {before:.3f}")
-    t0, order = time.time(), []
+    t0, order, last = time.time(), [], None
     model.train()
     for step in range(recipe.steps):
         if len(order) < recipe.batch_size:
@@ -161,7 +190,7 @@ def train_adapter(model: torch.nn.Module, examples: list[Example], recipe: Varia
         del order[: recipe.batch_size]
         for g in opt.param_groups:
             g["lr"] = lr_at(step)
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=not torch.cuda.is_available()):
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
             loss = answer_loss(model, batch, pad_id)
         opt.zero_grad(set_to_none=True)
         loss.backward()
@@ -170,50 +199,113 @@ def train_adapter(model: torch.nn.Module, examples: list[Example], recipe: Varia
         if step % 20 == 0 or step == recipe.steps - 1:
             log(f"variant: step {step + 1}/{recipe.steps} loss {loss.item():.3f} "
                 f"({time.time() - t0:.0f} s)")
+        if step + 1 in checkpoints:
+            last = (step + 1, held_loss())
+            log(f"variant: checkpoint at step {step + 1}: held-out loss {last[1]:.3f}")
+            if on_checkpoint is not None:
+                model.eval()
+                on_checkpoint(step + 1, wrappers, last[1])
+                model.train()
     model.eval()
-    after = held_loss() if held else float("nan")
+    after = last[1] if last is not None and last[0] == recipe.steps else held_loss()
     log(f"variant: held-out loss {before:.3f} -> {after:.3f} in {time.time() - t0:.0f} s")
     return wrappers, {"heldout_loss_before": before, "heldout_loss_after": after,
                       "train_examples": len(train), "heldout_examples": len(held),
                       "train_s": round(time.time() - t0, 1)}
 
 
-def make_variant(base_path: str, out: str | Path, recipe: VariantRecipe, *, cache_dir: str | Path,
-                 base_name: str, generate_fn=None, log: Callable[[str], None] = print) -> Path:
-    """The whole recipe: self-written prompts -> base answers -> restyle -> LoRA -> adapter
-    folder at `out` (PEFT format, with the recipe and its report in adapter_config.json)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+def heldout_texts(base_name: str) -> set[str]:
+    """Normalised texts of the prompts the shipped drafter for `base_name` holds out (its
+    heldout_prompts.jsonl; empty when none ships): no variant trains on them."""
+    from vllm_onlinespec import models
+    from vllm_onlinespec.training.self_prompts import normalise
+
+    try:
+        path = models.shipped_drafter(base_name) / "heldout_prompts.jsonl"
+    except models.ModelError:
+        return set()
+    if not path.is_file():
+        return set()
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return {normalise(m["content"]) for r in rows for m in r["messages"] if m["role"] == "user"}
+
+
+GENERATORS = ("vllm", "hf")
+
+
+def variant_examples(base_path: str, recipe: VariantRecipe, *, cache_dir: str | Path,
+                     generate_fn=None, generator: str = "vllm", exclude: set[str] = frozenset(),
+                     log: Callable[[str], None] = print) -> tuple[object, list[Example], list]:
+    """The recipe's data step: self-written prompts -> the base's greedy answers -> restyled
+    examples, as (tokenizer, examples, the prompts answered). Prompts whose normalised text is in `exclude` are
+    dropped. `generator` picks the GenerateFn when none is given: "vllm" (an engine, cached in
+    cache_dir) or "hf" (transformers on CPU, cached in cache_dir/hf: its answers are not vLLM's)."""
+    from transformers import AutoTokenizer
 
     from vllm_onlinespec.training.generate import SamplingSpec, generate, vllm_generate_fn
-    from vllm_onlinespec.training.self_prompts import self_written_prompts
+    from vllm_onlinespec.training.self_prompts import normalise, self_written_prompts
 
+    if generator not in GENERATORS:
+        raise ValueError(f"generator must be one of {', '.join(GENERATORS)}, not {generator!r}")
     base_path = str(base_path)
     tok = AutoTokenizer.from_pretrained(base_path)
-    fn = generate_fn
-    close = None
-    if fn is None:
+    fn, close = generate_fn, None
+    if generator == "hf":
+        from vllm_onlinespec.training.hf_generate import hf_generate_fn
+
+        cache_dir = Path(cache_dir) / "hf"
+        fn = fn or hf_generate_fn(base_path, log=log)
+    elif fn is None:
         fn = vllm_generate_fn(base_path, "bfloat16")
         close = getattr(fn, "close", None)
     try:
         prompts = self_written_prompts(base_path, tok, recipe.prompts, cache_dir=cache_dir,
                                        generate_fn=fn, seed=recipe.seed, log=log)
-        samples = generate(base_path, prompts, SamplingSpec(max_tokens=recipe.max_answer_tokens),
+        kept = [p for p in prompts if normalise(p.text) not in exclude]
+        if len(kept) < len(prompts):
+            log(f"variant: {len(prompts) - len(kept)} self-written prompts dropped "
+                f"(held out by the shipped drafter)")
+        samples = generate(base_path, kept, SamplingSpec(max_tokens=recipe.max_answer_tokens),
                            tokenizer=tok, cache_dir=cache_dir, generate_fn=fn, log=log)
     finally:
         if close is not None:
             close()
-    by_id = {p.id: p for p in prompts}
+    by_id = {p.id: p for p in kept}
     answers = [tok.decode(s.ids[s.start:], skip_special_tokens=True) for s in samples]
     examples = build_examples(tok, [by_id[s.prompt_id] for s in samples], answers, recipe.max_seq)
     log(f"variant: {len(examples)} of {len(samples)} base answers restyled ({STYLE})")
-    model = AutoModelForCausalLM.from_pretrained(base_path, dtype=torch.float32)
+    return tok, examples, kept
+
+
+def fresh_model(base_path: str, recipe: VariantRecipe) -> torch.nn.Module:
+    """The base model in float32 with torch seeded from the recipe: what training starts from
+    (the seed fixes the LoRA factors' initialisation)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(base_path), dtype=torch.float32)
     torch.manual_seed(recipe.seed)
+    return model
+
+
+def adapter_meta(recipe: VariantRecipe, report: dict, **more) -> dict:
+    """What an adapter's config records beside PEFT's fields."""
+    return {"vllm_onlinespec": {"style": STYLE, "recipe": asdict(recipe), "report": report,
+                                **more}}
+
+
+def make_variant(base_path: str, out: str | Path, recipe: VariantRecipe, *, cache_dir: str | Path,
+                 base_name: str, generate_fn=None, generator: str = "vllm",
+                 log: Callable[[str], None] = print) -> Path:
+    """The whole recipe: self-written prompts -> base answers -> restyle -> LoRA -> adapter
+    folder at `out` (PEFT format, with the recipe and its report in adapter_config.json)."""
+    tok, examples, _ = variant_examples(base_path, recipe, cache_dir=cache_dir,
+                                        generate_fn=generate_fn, generator=generator,
+                                        exclude=heldout_texts(base_name), log=log)
+    model = fresh_model(base_path, recipe)
     wrappers, report = train_adapter(model, examples, recipe, pad_id=tok.pad_token_id or 0,
                                      log=log)
     cfg = lora.LoRAConfig(r=recipe.r, alpha=recipe.alpha)
-    return lora.save(wrappers, cfg, out, base=base_name,
-                     extra={"vllm_onlinespec": {"style": STYLE, "recipe": asdict(recipe),
-                                                "report": report}})
+    return lora.save(wrappers, cfg, out, base=base_name, extra=adapter_meta(recipe, report))
 
 
 def describe(adapter: str | Path) -> str:
