@@ -29,6 +29,7 @@ from vllm_onlinespec.training.variant import (Example, VariantRecipe, adapter_me
                                               heldout_texts, train_adapter, variant_examples)
 
 MANIFEST = "trajectory.json"
+RESUME = "resume.pt"  # the training state at the last version saved, while a run is unfinished
 
 
 def version_dir(out: str | Path, k: int) -> Path:
@@ -57,21 +58,28 @@ def train_trajectory(model: torch.nn.Module, examples: list[Example], recipe: Va
     out = Path(out)
     steps = checkpoint_steps(recipe.steps, versions)
     cfg = lora.LoRAConfig(r=recipe.r, alpha=recipe.alpha)
-    rows: list[dict] = []
     out.mkdir(parents=True, exist_ok=True)
 
     def save(step: int, wrappers: dict[str, lora.LoRALinear], held: float) -> None:
         k = steps.index(step) + 1
-        row = {"version": k, "train_step": step, "heldout_loss": held}
         lora.save(wrappers, cfg, version_dir(out, k), base=base_name, dtype=dtype,
-                  extra=adapter_meta(recipe, {}, drift={**row, "versions": versions}))
-        rows.append({**row, "adapter": version_dir(out, k).name})
+                  extra=adapter_meta(recipe, {}, drift={"version": k, "versions": versions,
+                                                        "train_step": step, "heldout_loss": held}))
         log(f"drift: version {k}/{versions} (step {step}) saved to {version_dir(out, k)}")
         if on_version is not None:
             on_version(k, step)
 
+    # A killed run resumes from its last version (same command, same OUT): a long CPU run on a
+    # shared box should not start over.
+    state = out / RESUME
     _, report = train_adapter(model, examples, recipe, pad_id=pad_id, log=log,
-                              checkpoints=steps, on_checkpoint=save)
+                              checkpoints=steps, on_checkpoint=save, state_path=state)
+    state.unlink(missing_ok=True)
+    rows = []  # from the saved adapters: a resumed run saved only the later ones itself
+    for k in range(1, versions + 1):
+        d = json.loads((version_dir(out, k) / lora.ADAPTER_CONFIG).read_text())["vllm_onlinespec"]
+        rows.append({c: d["drift"][c] for c in ("version", "train_step", "heldout_loss")}
+                    | {"adapter": version_dir(out, k).name})
     manifest = {"base": base_name, "versions": versions, "recipe": adapter_meta(recipe, report)[
         "vllm_onlinespec"], "rows": [{"version": 0, "train_step": 0, "adapter": None,
                                       "heldout_loss": report["heldout_loss_before"]}] + rows}

@@ -140,11 +140,14 @@ OnCheckpoint = Callable[[int, dict[str, lora.LoRALinear], float], None]
 
 def train_adapter(model: torch.nn.Module, examples: list[Example], recipe: VariantRecipe, *,
                   pad_id: int, log: Callable[[str], None] = print,
-                  checkpoints: Sequence[int] = (), on_checkpoint: OnCheckpoint | None = None
-                  ) -> tuple[dict[str, lora.LoRALinear], dict]:
+                  checkpoints: Sequence[int] = (), on_checkpoint: OnCheckpoint | None = None,
+                  state_path: Path | None = None) -> tuple[dict[str, lora.LoRALinear], dict]:
     """Attach a LoRA to `model` and train it on the examples; returns (wrappers, report).
     After each step in `checkpoints` (1-based), the held-out loss is measured and passed with
-    the wrappers to `on_checkpoint` (training/drift.py saves a version there)."""
+    the wrappers to `on_checkpoint` (training/drift.py saves a version there). With
+    `state_path`, the training state (factors, optimizer, batch order) is saved there at each
+    checkpoint, and a run that finds one for the same recipe and examples resumes from it:
+    the same result as an uninterrupted run, on the same machine."""
     bad = [c for c in checkpoints if not 1 <= c <= recipe.steps]
     if bad:
         raise ValueError(f"checkpoint steps {bad} outside 1..{recipe.steps}")
@@ -182,8 +185,10 @@ def train_adapter(model: torch.nn.Module, examples: list[Example], recipe: Varia
         f"{sum(p.numel() for p in params) / 1e6:.2f} M adapter parameters; held-out loss "
         f"before {before:.3f}")
     t0, order, last = time.time(), [], None
+    key = {"recipe": asdict(recipe), "examples": _examples_key(examples)}
+    first_step = _resume(state_path, key, wrappers, opt, rng, order, log)
     model.train()
-    for step in range(recipe.steps):
+    for step in range(first_step, recipe.steps):
         if len(order) < recipe.batch_size:
             order += rng.sample(range(len(train)), len(train))
         batch = [train[i] for i in order[: recipe.batch_size]]
@@ -206,12 +211,55 @@ def train_adapter(model: torch.nn.Module, examples: list[Example], recipe: Varia
                 model.eval()
                 on_checkpoint(step + 1, wrappers, last[1])
                 model.train()
+            if state_path is not None:
+                _save_state(state_path, key, step + 1, wrappers, opt, rng, order)
     model.eval()
     after = last[1] if last is not None and last[0] == recipe.steps else held_loss()
     log(f"variant: held-out loss {before:.3f} -> {after:.3f} in {time.time() - t0:.0f} s")
     return wrappers, {"heldout_loss_before": before, "heldout_loss_after": after,
                       "train_examples": len(train), "heldout_examples": len(held),
-                      "train_s": round(time.time() - t0, 1)}
+                      "train_s": round(time.time() - t0, 1), "resumed_at_step": first_step}
+
+
+def _examples_key(examples: Sequence[Example]) -> str:
+    import hashlib
+
+    h = hashlib.sha256()
+    for e in examples:
+        h.update(json.dumps([e.ids, e.start]).encode())
+    return h.hexdigest()[:16]
+
+
+def _save_state(path: Path, key: dict, step: int, wrappers: dict[str, lora.LoRALinear],
+                opt: torch.optim.Optimizer, rng: random.Random, order: list[int]) -> None:
+    """Written beside and moved in place: a crash leaves the previous state or this one."""
+    path = Path(path)
+    tmp = path.with_name(path.name + ".tmp")
+    torch.save({"key": key, "step": step, "factors": lora.state_dict(wrappers),
+                "opt": opt.state_dict(), "rng": rng.getstate(), "order": list(order)}, tmp)
+    tmp.replace(path)
+
+
+def _resume(path: Path | None, key: dict, wrappers: dict[str, lora.LoRALinear],
+            opt: torch.optim.Optimizer, rng: random.Random, order: list[int],
+            log: Callable[[str], None]) -> int:
+    """The step to start from: 0, or the saved state's step once it is loaded in place."""
+    if path is None or not Path(path).is_file():
+        return 0
+    state = torch.load(path, weights_only=False)
+    if state.get("key") != key:
+        log(f"variant: {path} is another recipe's or data's training state; starting over")
+        return 0
+    factors = state["factors"]
+    with torch.no_grad():
+        for name, w in wrappers.items():
+            w.lora_A.weight.copy_(factors[f"{lora.PEFT_PREFIX}{name}.lora_A.weight"])
+            w.lora_B.weight.copy_(factors[f"{lora.PEFT_PREFIX}{name}.lora_B.weight"])
+    opt.load_state_dict(state["opt"])
+    rng.setstate(state["rng"])
+    order[:] = state["order"]
+    log(f"variant: resumed at step {state['step']} from {path}")
+    return int(state["step"])
 
 
 def heldout_texts(base_name: str) -> set[str]:
