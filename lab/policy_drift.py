@@ -52,6 +52,24 @@ def check_disjoint(prompts: list[dict], manifest: dict) -> int:
     return len(trained)
 
 
+def chat_heads(tok, prompts: list[dict]) -> list[list[int]]:
+    return [list(tok.apply_chat_template(p["messages"], add_generation_prompt=True,
+                                         tokenize=True, return_dict=True)["input_ids"])
+            for p in prompts]
+
+
+def lookup_walk(heads: list[list[int]], answers: list[list[int]], k: int) -> tuple[float, float]:
+    """(tokens per verify step, its standard error) of prompt lookup alone (vLLM's ngram rule)
+    on the same windows as the drafter's walk: how much of the answers repeats their context."""
+    steps, tokens = [], []
+    for h, a in zip(heads, answers):
+        ids = h + a
+        w = walk_policies(ids, len(h), [0] * max(0, len(a) - k), k)["ngram"]
+        steps.append(w.steps)
+        tokens.append(w.tokens)
+    return round(sum(tokens) / sum(steps), 4), round(ratio_se(steps, tokens), 4)
+
+
 def version_model(base: str, adapter: Path | None):
     import torch
     from transformers import AutoModelForCausalLM
@@ -80,11 +98,9 @@ def evaluate_version(k: int, adapter: Path | None, base: str, tok, prompts: list
     t0 = time.time()
     model = version_model(base, adapter)
     eos, pad = prepare(model, tok)
-    heads = [list(tok.apply_chat_template(p["messages"], add_generation_prompt=True,
-                                          tokenize=True, return_dict=True)["input_ids"])
-             for p in prompts]
+    heads = chat_heads(tok, prompts)
     answers = [r[0] for r in hf_generate(model, eos, pad, heads, SamplingSpec(max_tokens=max_tokens),
-                                         batch_size=len(heads))]
+                                         batch_size=16)]
     t_gen = time.time() - t0
     samples = [Sample(prompt_id=p["id"], ids=h + a, start=len(h))
                for p, h, a in zip(prompts, heads, answers)]
@@ -161,16 +177,19 @@ def page(rows: list[dict], manifest: dict, args, wall_s: float, box_name: str) -
         f"loss on the {manifest['recipe']['report']['heldout_examples']} restyled answers the "
         "fine-tune held out (its training record); "
         "`numbered` share of answers that start with a numbered step; `same_as_base` mean tokens "
-        "before the version's answer first differs from the base's.", "",
+        "before the version's answer first differs from the base's; `lookup` prompt lookup alone "
+        "(vLLM's ngram rule, no model) on the same answers: how much of them repeats their own "
+        "context, which a drafter also exploits.", "",
         "| version | train_step | walk_accept | vs base | walk_accept_tree | heldout_style_loss "
-        "| numbered | same_as_base | answer tokens |", "|---|---|---|---|---|---|---|---|---|"]
+        "| numbered | same_as_base | lookup | answer tokens |",
+        "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(
             f"| {r['version']} | {r['train_step']} | {r['walk_accept']:.3f} ± "
             f"{r['walk_accept_se']:.3f} | {r['walk_accept'] / base['walk_accept']:.3f}x | "
             f"{r['walk_accept_tree']:.3f} ± {r['walk_accept_tree_se']:.3f} | "
             f"{r['heldout_style_loss']:.3f} | {r['numbered_share']:.2f} | "
-            f"{r['same_as_base']:.1f} | {r['answer_tokens']} |")
+            f"{r['same_as_base']:.1f} | {r['walk_accept_lookup']:.3f} | {r['answer_tokens']} |")
     last = rows[-1]
     drop = base["walk_accept"] - last["walk_accept"]
     se = (base["walk_accept_se"] ** 2 + last["walk_accept_se"] ** 2) ** 0.5
@@ -247,7 +266,9 @@ def main() -> int:
                                               "heldout_style_loss", "numbered_share", "eval_s")}),
               flush=True)
     ref = next((r["answers"] for r in rows if r["version"] == 0), None)
+    heads = chat_heads(tok, prompts)
     for r in rows:
+        r["walk_accept_lookup"], r["walk_accept_lookup_se"] = lookup_walk(heads, r["answers"], r["K"])
         r["same_as_base"] = (round(sum(accepted_run(a, b) for a, b in zip(r["answers"], ref))
                                    / len(ref), 1) if ref else float("nan"))
     wall = time.time() - t0

@@ -182,7 +182,7 @@ def test_seed_summary_median_and_spread():
 
 def _args(**kw):
     base = dict(arrivals="", catch_up_s=0.0, window_s=20.0, seeds=None, seed=0, swap_to=None,
-                swap_at=0)
+                swap_at=0, temperature=0.0)
     return argparse.Namespace(**{**base, **kw})
 
 
@@ -204,6 +204,11 @@ def test_bench_protocol_flags_fail_in_one_line():
         check_protocol(_args(arrivals="closed:4", swap_to="m", swap_at=-1))
     with pytest.raises(ValueError, match="give --arrivals"):
         check_protocol(_args(swap_to="m", swap_at=3))
+    check_protocol(_args(temperature=1.0))
+    with pytest.raises(ValueError, match=r"--temperature must be >= 0 \(got -1.0\)"):
+        check_protocol(_args(temperature=-1.0))
+    with pytest.raises(ValueError, match="drop --arrivals or --temperature"):
+        check_protocol(_args(arrivals="closed:4", temperature=1.0))
     assert parse_seeds(_args(seeds="0, 1,2")) == [0, 1, 2]
     assert parse_seeds(_args(seed=5)) == [5]
     for bad in ("0,0", "a,b", ","):

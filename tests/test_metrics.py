@@ -31,3 +31,20 @@ def test_collector_skips_workers_that_are_gone(tmp_path, monkeypatch):
     assert [s.value for s in fams["onlinespec:learner_updates"].samples] == [3.0]
     assert [s.value for s in fams["onlinespec:lookup_accepted_tokens"].samples] == [9.0]
     assert [s.value for s in fams["onlinespec:lookup_draft_tokens"].samples] == [12.0]
+
+
+def test_the_budgets_options_are_reported_by_option_and_batch(tmp_path, monkeypatch):
+    from vllm_onlinespec.serving.metrics import ENV, MetricsWriter, OnlineSpecCollector
+    from vllm_onlinespec.serving.stats import CutterStats, OnlineSpecStats
+
+    monkeypatch.setenv(ENV, str(tmp_path))
+    cutter = CutterStats(option_steps={"plain": 5, "tree": 20, "drafter": 75},
+                         option_ms_per_token={"plain@B8": 10.0, "tree@B8": 8.5, "drafter@B1": 20.0})
+    MetricsWriter().write(OnlineSpecStats(cutter=cutter), {}, force=True)
+    fams = {f.name: f for f in OnlineSpecCollector().collect()}
+    steps = {s.labels["option"]: s.value for s in fams["onlinespec:option_steps"].samples
+             if s.name.endswith("_total")}
+    assert steps == {"plain": 5.0, "tree": 20.0, "drafter": 75.0}
+    price = {(s.labels["option"], s.labels["batch"]): s.value
+             for s in fams["onlinespec:option_ms_per_token"].samples}
+    assert price == {("plain", "8"): 10.0, ("tree", "8"): 8.5, ("drafter", "1"): 20.0}

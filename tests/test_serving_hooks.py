@@ -582,6 +582,65 @@ def test_cycles_that_verify_only_lookup_drafts_are_priced_as_plain(runner):
     assert all(c[1] == 5 for c in cycles)
 
 
+def test_each_cycle_prices_the_option_it_verified_with_that_options_drafting_time(monkeypatch):
+    """The budget's options (policy/option_choice.py) are priced per engine cycle: the option
+    is the one chosen in the cycle before (its drafts are verified now), the seconds are the
+    cycle's wall time with its own drafting (the next option's) swapped for the drafting of
+    what it verifies, the tokens what the step produced; cycles with prefill are not priced."""
+    from vllm_onlinespec.serving import runner as runner_mod
+
+    clock = [0.0]
+    monkeypatch.setattr(runner_mod, "time", SimpleNamespace(perf_counter=lambda: clock[0]))
+    draft_s = iter([0.020, 0.0, 0.0, 0.030, 0.010])  # the drafter's forward per cycle
+    decided = iter(["drafter", "tree", "plain", "drafter", "tree"])
+
+    class Timed(FakeVllmRunner):
+        def execute_model(self, so, *a, **k):
+            clock[0] += 0.100  # the target's forward
+            return "exec-out"
+
+        def propose_draft_token_ids(self, *a, **k):
+            clock[0] += next(draft_s)
+            return "proposed"
+
+    from vllm_onlinespec.serving.runner import runner_class
+
+    r = runner_class(Timed)()
+    r._onlinespec_init()
+    priced = []
+
+    def cut(drafts):
+        clock[0] += 0.005  # the lookup's tree proposing: drafting time too
+        return drafts
+
+    def after_step(runner, view, sampled):
+        session.feedback.last_yield = 12
+
+    session = SimpleNamespace(
+        gate_drafting=lambda so, sampled=None: None, cut_drafts=cut, after_step=after_step,
+        capture=lambda runner: None, feedback=SimpleNamespace(last_yield=None),
+        drafting=SimpleNamespace(
+            times_cycles=True, observe_draft_time=lambda k, s: None,
+            observe_cycle=lambda *a, **k: None,
+            observe_option=lambda o, B, tokens, s: priced.append((o, B, tokens, round(s, 6)))))
+    r._onlinespec = session
+    for i in range(5):
+        prefill = i == 3  # a prefill chunk in cycle 3: not comparable, not priced
+        so = SO({"a": 4, "b": 4 if not prefill else 30}, {"a": [7, 8, 9], "b": [1, 2, 3]},
+                8 if not prefill else 34)
+        session.drafting.option = next(decided)  # what the gate chooses in this cycle
+        r.execute_model(so)
+        r.propose_draft_token_ids(so)
+        r.sample_tokens(None)
+        r.take_draft_token_ids()
+    so = SO({"a": 1, "b": 1}, {}, 2)
+    r.execute_model(so)  # closes cycle 4
+    # Cycle 0 verified nothing chosen; 1 verifies cycle 0's drafter drafts (0.020 + 0.005 of
+    # drafting), 2 the tree's (0 + 0.005), 3 has prefill, 4 verifies cycle 3's drafter drafts.
+    assert priced == [("drafter", 2, 12, 0.125), ("tree", 2, 12, 0.105),
+                      ("drafter", 2, 12, 0.135)]
+
+
 def test_draft_confidence_reads_the_logits_vllms_drafter_computes():
     from vllm_onlinespec.serving import compat
 

@@ -1,7 +1,8 @@
 """The budget's step gate in a live engine (float32, SmolLM2 + the shipped drafter, learning
 off): steps switch between the drafter's context-only K = 0 step (gate shut) and full drafts
 (exploring), with prompt lookup drafting K tokens where the text repeats, also in steps the gate
-shut, and greedy output stays the target's, token for token. The context-only K = 0 step writes
+shut, and between the budget's options (plain, lookup alone, drafter), and greedy output stays
+the target's, token for token. The context-only K = 0 step writes
 the same context K/V as vLLM's own K = 0 forward."""
 
 import os
@@ -40,8 +41,11 @@ def served(smollm2_path):
                   # rho 0.25 prices a verified token 4x: in float32 on a fast CPU the drafter
                   # can pay at full K in every step, and a gate that never shuts never explores
                   # (a run of 50 open steps failed the precondition below).
+                  # option_explore_every 2: steps switch between plain, lookup alone and the
+                  # drafter every other step (policy/option_choice.py).
                   "length_head": {"policy": "budget", "k_min": 0, "explore_every": 3,
-                                  "explore_requests": 4, "head_gate_labels": 8, "rho": 0.25},
+                                  "explore_requests": 4, "head_gate_labels": 8, "rho": 0.25,
+                                  "option_explore_every": 2},
                   "prompt_lookup": {"enabled": True, "min_n": 1, "min_tokens": 1}}})
     try:
         params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
@@ -131,6 +135,16 @@ def test_switching_between_k0_and_drafting_is_lossless(served, hf_target):
     assert any(k.startswith("drafted@") for k in c.gate_overhead_s), c.gate_overhead_s
     assert any(k.startswith("k0@") for k in c.gate_overhead_s), c.gate_overhead_s
     assert served["stats"].lookup_rows > 0 and served["stats"].lookup_accepted > 0
+    assert_greedy_equal(served["outs"], hf_target, MAX_TOKENS)
+
+
+def test_steps_switch_between_plain_lookup_and_drafter_losslessly(served, hf_target):
+    c = served["stats"].cutter
+    assert all(c.option_steps.get(o, 0) > 0 for o in ("plain", "tree", "drafter")), c.option_steps
+    # each option priced from its own measured cycles
+    assert {k.split("@")[0] for k in c.option_ms_per_token} == {"plain", "tree", "drafter"}, \
+        c.option_ms_per_token
+    assert all(ms > 0 for ms in c.option_ms_per_token.values()), c.option_ms_per_token
     assert_greedy_equal(served["outs"], hf_target, MAX_TOKENS)
 
 

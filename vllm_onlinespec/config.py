@@ -114,6 +114,15 @@ class LengthHeadConfig(_Section):
     k0_step: Literal["context_only", "forward"] = Field(
         "context_only", description="a step that drafts nothing runs 'context_only' (the new "
         "tokens' context K/V) or 'forward' (vLLM's K = 0 path); later drafts are identical")
+    options: list[Literal["plain", "tree", "drafter"]] | None = Field(
+        None, min_length=1, description="'budget' gate: what a step may verify, chosen per step "
+        "by each option's measured engine cycles (policy/option_choice.py): 'plain' nothing, "
+        "'tree' the lookup's drafts alone, 'drafter' the drafter's blocks beside them; None = "
+        "every option the config holds ('tree' needs prompt_lookup); ['drafter'] leaves the "
+        "step to the gate's cost model alone")
+    option_explore_every: int = Field(16, ge=2, description="'budget' gate's options: every "
+                                      "this-many-th step runs the option measured longest ago, "
+                                      "so each price stays current (>= 2)")
     explore_every: int = Field(32, ge=2, description="'budget' gate: while shut, every this-many"
                                "-th step drafts anyway to keep the estimate current (>= 2)")
     explore_requests: int = Field(2, ge=1, description="'budget' gate: requests whose full draft "
@@ -335,6 +344,12 @@ class OnlineSpecConfig(_Section):
         lh = self.length_head
         _check(lh.estimator != "confidence" or lh.policy == "budget", f"length_head.estimator "
                f"'confidence' needs length_head.policy 'budget' (got {lh.policy!r})")
+        _check(lh.options is None or len(set(lh.options)) == len(lh.options),
+               f"length_head.options lists an option twice ({lh.options})")
+        _check(lh.options is None or lh.options == ["drafter"] or lh.policy == "budget",
+               f"length_head.options needs length_head.policy 'budget' (got {lh.policy!r})")
+        _check(lh.options is None or "tree" not in lh.options or self.prompt_lookup.enabled,
+               "length_head.options 'tree' needs prompt_lookup.enabled (the lookup drafts it)")
         if self.oracle.accept_len is not None:
             _check(os.environ.get(ORACLE_ENV) == "1", f"oracle.accept_len is benchmark-only "
                    f"(output is not the target's); set {ORACLE_ENV}=1 to allow it")

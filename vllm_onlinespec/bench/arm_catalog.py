@@ -26,6 +26,8 @@
                                  the length head: frozen+confidence, ...
     <arm>+unpriced               the budget verifying suffix-tree drafts whole (vLLM's suffix
                                  decoding's rule) instead of pricing them
+    <arm>+gateonly               the budget's cost-model gate alone, without the choice among
+                                 plain / tree / drafter by measured cycles
 
 Every arm of ours starts from the same drafter weights and the same base settings (`online`
 below: by default the `cpu` preset, vllm_onlinespec/presets.py, so `frozen` is the recommended
@@ -119,6 +121,7 @@ ARM_SUFFIXES: dict[str, tuple[str, dict]] = {
     NO_LOOKUP_SUFFIX: ("prompt_lookup", {"enabled": False}),
     "+confidence": ("length_head", {"estimator": "confidence"}),
     "+unpriced": ("length_head", {"price_lookup": False}),
+    "+gateonly": ("length_head", {"options": ["drafter"]}),
 }
 
 
@@ -157,7 +160,7 @@ def _parse(name: str) -> tuple[str, dict | None]:
                      "frozen, k0, shadow, "
                      + ", ".join(f"online-{a}" for a in ALGORITHMS) + ", "
                      + ", ".join(POLICIES) + ", frozen-<policy>, and <our arm>+lookup, +tree, "
-                     "+nolookup, +confidence or +unpriced")
+                     "+nolookup, +confidence, +unpriced or +gateonly")
 
 
 def merge_sections(base: dict, over: dict) -> dict:

@@ -201,6 +201,17 @@ def serve_continuous(llm, spec: ArmSpec, prompts: list[dict], params, res: ArmRe
         raise RuntimeError(f"engine loop: {loop.error}")
 
 
+def wave_params(params, spec: ArmSpec, first: int, n: int):
+    """Greedy: the one SamplingParams. Sampled: one per request, seeded by its place in the
+    stream, so every arm draws with the same seeds."""
+    if spec.temperature <= 0:
+        return params
+    from vllm import SamplingParams
+
+    return [SamplingParams(temperature=spec.temperature, top_p=1.0, seed=first + i,
+                           max_tokens=spec.max_tokens) for i in range(n)]
+
+
 def serve_waves(llm, spec: ArmSpec, prompts: list[dict], params, res: ArmResult) -> None:
     n_waves = -(-len(prompts) // spec.wave)
     for w in range(n_waves):
@@ -208,7 +219,8 @@ def serve_waves(llm, spec: ArmSpec, prompts: list[dict], params, res: ArmResult)
         st0 = onlinespec_stats(llm, spec)
         c0 = spec_counters(llm)
         t = time.perf_counter()
-        outs = llm.chat([p["messages"] for p in batch], params, use_tqdm=False)
+        outs = llm.chat([p["messages"] for p in batch],
+                        wave_params(params, spec, w * spec.wave, len(batch)), use_tqdm=False)
         wall = time.perf_counter() - t
         c1 = spec_counters(llm)
         st1 = onlinespec_stats(llm, spec)

@@ -134,6 +134,9 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     a("--num-prompts", type=int, default=96, help="prompts in the stream (default 96)")
     a("--wave", type=int, default=4, help="prompts served together per wave (default 4)")
     a("--max-tokens", type=int, default=128, help="answer length cap (default 128)")
+    a("--temperature", type=float, default=0.0, help="0 = greedy (default); > 0 samples at "
+      "this temperature (top-p 1), each request seeded by its place in the stream, the same "
+      "seeds for every arm (wave protocol)")
     a("--max-prompt-tokens", type=int, default=512, help="skip longer prompts (default 512)")
     a("--dtype", default="auto", type=resolve_dtype_arg,
       help="auto (default: bfloat16 where the hardware computes it natively, a GPU or an "
@@ -190,6 +193,11 @@ def check_protocol(args: argparse.Namespace) -> None:
         raise ValueError(f"--swap-at must be >= 1 (got {args.swap_at})")
     if args.swap_to and not args.arrivals:
         raise ValueError("--swap-to swaps mid-stream in the continuous protocols: give --arrivals")
+    if args.temperature < 0:
+        raise ValueError(f"--temperature must be >= 0 (got {args.temperature})")
+    if args.temperature > 0 and args.arrivals:
+        raise ValueError("--temperature samples in the wave protocol; the continuous protocols "
+                         "serve greedy: drop --arrivals or --temperature")
     if not args.arrivals:
         return
     from vllm_onlinespec.bench.arrivals import parse_arrivals
@@ -261,7 +269,8 @@ def run_bench(args: argparse.Namespace) -> int:
         specs = [make_arm(a, target=target, prompts=str(stream_path), out_dir=sub,
                           drafter=drafter, num_speculative_tokens=args.num_spec_tokens,
                           online=online, dtype=args.dtype, wave=args.wave,
-                          max_tokens=args.max_tokens, catch_up_s=args.catch_up_s,
+                          max_tokens=args.max_tokens, temperature=args.temperature,
+                          catch_up_s=args.catch_up_s,
                           arrivals=args.arrivals, window_s=args.window_s,
                           swap_at=args.swap_at, swap_to=swap_to)
                  for a in arms]
@@ -272,7 +281,8 @@ def run_bench(args: argparse.Namespace) -> int:
                 "prompts_file": args.prompts, "prompts": len(stream), "seed": seed,
                 "protocol": protocol, "arrivals": args.arrivals or None,
                 "window_s": args.window_s if args.arrivals else None, "wave": args.wave,
-                "max_tokens": args.max_tokens, "dtype": args.dtype, "online": online,
+                "max_tokens": args.max_tokens, "temperature": args.temperature,
+                "dtype": args.dtype, "online": online,
                 "catch_up_s": args.catch_up_s, "swap_to": swap_to, "swap_at": args.swap_at or None,
                 "wall_s": round(time.perf_counter() - t0, 1)}
         paths = R.write_report(results, sub, title="vllm-onlinespec bench", meta=meta)

@@ -32,6 +32,9 @@ class ArmSpec:
     dtype: str = field(default_factory=lambda: resolve_dtype(AUTO))
     wave: int = 4  # prompts per wave: one llm.chat call, batched
     max_tokens: int = 128
+    # 0 = greedy; > 0 samples at this temperature, each request seeded by its place in the
+    # stream (the same seed for every arm), top-p 1
+    temperature: float = 0.0
     max_model_len: int = 2048
     # Seconds the stream may pause after each wave while the learner still has fresh feedback:
     # real traffic has gaps, a closed-loop benchmark on 2 cores has none. 0 = back to back.

@@ -32,6 +32,7 @@ from vllm_onlinespec.policy.acceptance_estimator import ConfidenceEstimator
 from vllm_onlinespec.policy.budget import StepCostModel
 from vllm_onlinespec.policy.head_feedback import HeadFeedback
 from vllm_onlinespec.policy.lookup_price import StepPrice
+from vllm_onlinespec.policy.option_choice import OptionChoice
 from vllm_onlinespec.policy.step_gate import GateDecision, StepGate
 from vllm_onlinespec.policy.verify_length import make_policy
 
@@ -43,11 +44,12 @@ class DraftCutter:
     def __init__(self, length_cfg: Any, K: int, *, head: nn.Module | None = None,
                  head_trusted: bool = False, cost_model: StepCostModel | None = None,
                  on_skip: Callable[[str], None] | None = None,
-                 warmup_versions: int = HEAD_WARMUP_VERSIONS) -> None:
+                 warmup_versions: int = HEAD_WARMUP_VERSIONS, lookup: bool = False) -> None:
         """K: vLLM's num_speculative_tokens (draft tokens per request per step).
         head: the length head to predict with (a private copy is kept), or None.
         head_trusted: True for a head that came trained (a checkpoint's), False for one being
-        trained online from random weights."""
+        trained online from random weights. lookup: a lookup stage drafts beside the drafter
+        (the gate's options then include 'tree')."""
         self.K = K
         self.policy_name = length_cfg.policy
         self.policy = make_policy(length_cfg, cost_model or StepCostModel())
@@ -66,6 +68,15 @@ class DraftCutter:
                                  explore_every=length_cfg.explore_every,
                                  explore_requests=length_cfg.explore_requests,
                                  min_obs=self.policy.min_obs, rho=length_cfg.rho)
+        # What each step verifies, chosen by measured cycles (policy/option_choice.py).
+        self.options: OptionChoice | None = None
+        if self.gate is not None:
+            held = getattr(length_cfg, "options", None) or (
+                ["plain", "tree", "drafter"] if lookup else ["plain", "drafter"])
+            if held != ["drafter"]:
+                self.options = OptionChoice(tuple(held),
+                                            explore_every=getattr(length_cfg,
+                                                                  "option_explore_every", 16))
         self._next = GateDecision(K, False, "")
         self._base_tokens: int | None = None
         self.price_lookup = getattr(length_cfg, "price_lookup", True)
@@ -130,8 +141,31 @@ class DraftCutter:
         if self.gate is None:
             self._next = GateDecision(self.K, False, "")
         else:
-            self._next = self.gate.decide(self.policy.stats, batch_size, base_tokens)
+            d = self.gate.decide(self.policy.stats, batch_size, base_tokens)
+            if self.options is not None and batch_size > 0 and not d.explore:
+                d = self._choose_option(d, batch_size)
+            self._next = d
         return self._next
+
+    def _choose_option(self, d: GateDecision, batch_size: int) -> GateDecision:
+        """The gate's verdict (the drafter at k, or shut) against the options' measured prices:
+        the drafter keeps the gate's k (its best plan's k where the gate shut it); 'tree' and
+        'plain' draft nothing from the drafter, 'plain' no lookup draft either."""
+        opts = self.options.options
+        pick = "drafter" if d.k > 0 else ("tree" if "tree" in opts else "plain")
+        o = self.options.choose(batch_size, pick)
+        k = (d.k or self.gate.best_k or self.K) if o.option == "drafter" else 0
+        return GateDecision(k, False, f"{d.reason}; {o.reason}", option=o.option)
+
+    @property
+    def next_option(self) -> str | None:
+        """The option the drafts being cut now were chosen as (None: no choice made)."""
+        return self._next.option
+
+    def observe_option(self, option: str, batch_size: int, tokens: int, seconds: float) -> None:
+        """A measured cycle that verified `option`'s drafts (policy/option_choice.py)."""
+        if self.options is not None:
+            self.options.observe(option, batch_size, tokens, seconds)
 
     def step_price(self, batch_size: int) -> StepPrice | None:
         """What pricing the next step's lookup drafts needs (policy/lookup_price.py) under the

@@ -45,6 +45,9 @@ class GateDecision:
     k: int  # draft tokens per request the next step asks vLLM's drafter for (0 = none)
     explore: bool  # drafted only to refresh the acceptance estimate
     reason: str
+    # What the measured choice picked (policy/option_choice.py): "plain", "tree" or "drafter";
+    # None: no choice made (no options, or the gate's own exploration), the step is not priced.
+    option: str | None = None
 
     @property
     def draft(self) -> bool:
@@ -97,6 +100,7 @@ class StepGate:
         self.verify_ema: float | None = None
         self.shut_streak = 0  # consecutive steps the gate kept shut
         self.steps = self.shut_steps = self.explore_steps = self.short_steps = 0
+        self.best_k = 0  # the draft length of the last decision's best speculative plan
         self.last = GateDecision(K, False, "gate: no decision yet")
 
     def decide(self, stats: AcceptanceStats | None, batch_size: int,
@@ -125,6 +129,7 @@ class StepGate:
             rate = a.expected_tokens / a.step_s if a.tokens else 0.0
             if rate > rate_spec:
                 best_k, rate_spec, best = k, rate, a
+        self.best_k = best_k
         t_plain_draft = self.timer.get(0, self.K)
         rate_plain = B / max(floor_s + t_plain_draft + over_plain, 1e-9)
         numbers = (f"spec {rate_spec:.0f} tok/s at k={best_k} ("

@@ -60,8 +60,10 @@ class DraftStage:
         req_ids = getattr(drafts, "req_ids", None)  # lets the next step's verification score the head
         req_ids = list(req_ids) if req_ids else None
         cut = self.cutter.cut(ids, req_ids)
-        # A data-generation engine (features.plain) never speculates.
-        if self.lookup is not None and req_ids is not None and not self.cfg.features.plain:
+        # A data-generation engine (features.plain) never speculates; a step the budget chose
+        # to run plain verifies no lookup draft either.
+        if (self.lookup is not None and req_ids is not None and not self.cfg.features.plain
+                and self.cutter.next_option != "plain"):
             cut = self.lookup.propose(cut, req_ids, compat.request_tokens(self.runner, req_ids),
                                       self.seed_bound(req_ids), self.cutter.step_price(len(cut)))
         drafts.draft_token_ids = cut
@@ -88,6 +90,17 @@ class DraftStage:
         included), `drafter_verified`: the drafter's drafts among them."""
         self.cutter.observe_cycle(self.drafter_k if k is None else k, batch_size, tokens, seconds,
                                   drafter_verified=drafter_verified)
+
+    @property
+    def option(self) -> str | None:
+        """What the budget chose for the drafts of this step ("plain", "tree", "drafter"), or
+        None where no choice was made (the step is not priced)."""
+        return self.cutter.next_option
+
+    def observe_option(self, option: str, batch_size: int, tokens: int, seconds: float) -> None:
+        """A whole engine cycle without prefill that verified `option`'s drafts produced
+        `tokens` tokens in `seconds`, its drafting included (policy/option_choice.py)."""
+        self.cutter.observe_option(option, batch_size, tokens, seconds)
 
     def seed_bound(self, req_ids: list[str]) -> list[bool]:
         """Requests whose exact sample depends on the drafts they are shown: seeded ones under

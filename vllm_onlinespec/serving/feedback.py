@@ -172,10 +172,12 @@ class FeedbackStage:
         self.cutter, self.lookup, self.tracer = cutter, lookup, tracer
         self.feature_log, self.learner, self.buffer, self.guard = feature_log, learner, buffer, guard
         self.pipe = FeedbackPipe()  # a step's feedback, held one step on GPU
+        self.last_yield: int | None = None  # tokens the last step produced (None: unknown)
 
     def observe(self, view: StepView | None, sampled: Any, drafted_by: int) -> None:
         """drafted_by: the drafter version that proposed the drafts this step verified (vLLM
         drafts at the end of a step, before that step's publish)."""
+        self.last_yield = None
         if view is None:
             return
         if self.lookup is not None:  # before any early return: finished texts must not pile up
@@ -184,6 +186,7 @@ class FeedbackStage:
             self.guard.skip(G.NO_SAMPLER_OUTPUT)
             return
         accepted = compat.accepted_counts(sampled, view.num_draft_tokens)
+        self.last_yield = len(accepted) + sum(accepted)  # tokens this step produced
         self.cutter.observe(self._drafter_rows(view, accepted), accepted, view.req_ids)
         self.cutter.forget(view.finished_req_ids)
         if self.tracer is not None:

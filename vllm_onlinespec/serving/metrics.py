@@ -121,11 +121,31 @@ class OnlineSpecCollector:
                 if is_number(v):
                     fam.add_metric([pid], float(v))
             yield fam
+        yield from _option_families(parsed)
         info = InfoMetricFamily("onlinespec:config", "online speculation settings in force",
                                 labels=["worker"])
         for pid, d in data:
             info.add_metric([pid], {k: str(v) for k, v in d.get("info", {}).items()})
         yield info
+
+
+def _option_families(parsed: list[tuple[str, OnlineSpecStats]]) -> Iterator[Any]:
+    """The budget's options: steps each ran (counter) and its measured price per bucket."""
+    from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+    steps = CounterMetricFamily("onlinespec:option_steps", "steps the budget ran each option "
+                                "(plain, tree, drafter)", labels=["worker", "option"])
+    price = GaugeMetricFamily("onlinespec:option_ms_per_token", "what each option's measured "
+                              "engine cycles cost per produced token, ms, by batch bucket",
+                              labels=["worker", "option", "batch"])
+    for pid, st in parsed:
+        for option, n in st.cutter.option_steps.items():
+            steps.add_metric([pid, option], float(n))
+        for key, ms in st.cutter.option_ms_per_token.items():
+            option, _, bucket = key.partition("@B")
+            price.add_metric([pid, option, bucket], float(ms))
+    yield steps
+    yield price
 
 
 _registered = False

@@ -45,6 +45,9 @@ class OnlineSpecRunnerMixin:
     # The last closed cycle asked vLLM's drafter for k > 0: the drafts the next cycle verifies
     # include the drafter's (not only the lookup's).
     _onlinespec_drafter_drafted: bool = False
+    # The option the last closed cycle chose for the drafts the next cycle verifies, and the
+    # seconds it spent drafting them (policy/option_choice.py prices the option with them).
+    _onlinespec_verifying: tuple[str | None, float] = (None, 0.0)
 
     def _onlinespec_init(self) -> None:
         if getattr(self, "_onlinespec_guard", None) is None:
@@ -102,8 +105,10 @@ class OnlineSpecRunnerMixin:
             if session is not None and session.drafting.times_cycles:  # only the budget's gate reads them
                 B, base = compat.step_token_counts(scheduler_output)
                 verifies = self._onlinespec_tokens > base and self._onlinespec_drafter_drafted
+                option, prev_draft_s = self._onlinespec_verifying
                 self._onlinespec_cycle = _Cycle(t0, B, self._onlinespec_tokens,
-                                                verifies_drafter=verifies)
+                                                verifies_drafter=verifies, option=option,
+                                                prev_draft_s=prev_draft_s, decode_only=base == B)
             self._onlinespec_span = self._onlinespec_timer.start()
         try:
             return super().execute_model(scheduler_output, *args, **kwargs)
@@ -158,11 +163,14 @@ class OnlineSpecRunnerMixin:
             span = self._onlinespec_timer.start()
             if self._onlinespec_cycle is not None:
                 self._onlinespec_cycle.proposed, self._onlinespec_cycle.k = True, k
+                self._onlinespec_cycle.decided = session.drafting.option if session else None
         try:
             return super().propose_draft_token_ids(*args, **kwargs)
         finally:
             with guard(G.PROPOSE):
                 self._onlinespec_profile.draft_s += time.perf_counter() - t0
+                if self._onlinespec_cycle is not None:
+                    self._onlinespec_cycle.draft_s += time.perf_counter() - t0
                 if session is not None and span is not None:
                     self._onlinespec_timer.stop(
                         span, lambda sec: session.drafting.observe_draft_time(k, sec))
@@ -185,18 +193,25 @@ class OnlineSpecRunnerMixin:
         if session is not None:
             with guard(G.FEEDBACK), self._onlinespec_profile.ours(inside_sample_tokens=True):
                 session.after_step(self, view, self._onlinespec_sampled)
+                if self._onlinespec_cycle is not None:
+                    self._onlinespec_cycle.produced = session.feedback.last_yield
         with guard(G.SAMPLE):
             self._onlinespec_profile.sample_tokens_s += time.perf_counter() - t0
         return out
 
     def take_draft_token_ids(self):
+        t0 = time.perf_counter()
         drafts = super().take_draft_token_ids()
         session = self._onlinespec
         if session is None or drafts is None:
             return drafts
-        with self._onlinespec_guard(G.CUT), self._onlinespec_profile.ours(inside_sample_tokens=False):
-            return session.cut_drafts(drafts)
-        return drafts  # reached only when the cut failed: vLLM's drafts, uncut
+        try:
+            with self._onlinespec_guard(G.CUT), self._onlinespec_profile.ours(inside_sample_tokens=False):
+                return session.cut_drafts(drafts)
+            return drafts  # reached only when the cut failed: vLLM's drafts, uncut
+        finally:
+            if self._onlinespec_cycle is not None:  # drafting: the lookup's tree proposes here
+                self._onlinespec_cycle.draft_s += time.perf_counter() - t0
 
     def _close_cycle(self, now: float) -> None:
         """The previous engine cycle ended where this one starts: its wall time to the gate.
@@ -204,9 +219,17 @@ class OnlineSpecRunnerMixin:
         cycle, session = self._onlinespec_cycle, self._onlinespec
         self._onlinespec_cycle = None
         self._onlinespec_drafter_drafted = cycle is not None and cycle.drafter_drafted
+        self._onlinespec_verifying = ((cycle.decided, cycle.draft_s)
+                                      if cycle is not None and cycle.proposed else (None, 0.0))
         if cycle is not None and cycle.proposed and session is not None:
             session.drafting.observe_cycle(cycle.k, cycle.batch, cycle.tokens, now - cycle.start,
                                            drafter_verified=cycle.verifies_drafter)
+            if cycle.option is not None and cycle.decode_only and cycle.produced:
+                # The cycle's own drafting is the next option's; the drafting of what it
+                # verified (the cycle before) is this option's.
+                seconds = now - cycle.start - cycle.draft_s + cycle.prev_draft_s
+                session.drafting.observe_option(cycle.option, cycle.batch, cycle.produced,
+                                                seconds)
 
     def onlinespec_profile(self) -> StepProfile:
         return self._onlinespec_profile
@@ -247,6 +270,15 @@ class _Cycle:
     verifies_drafter: bool
     proposed: bool = False  # the drafter ran (a cycle without it prices nothing)
     k: int | None = None  # draft length asked of vLLM's drafter (None: its own)
+    # The budget's options (policy/option_choice.py): what this cycle verified (chosen the
+    # cycle before, None: no choice) and what it chose for the next; the seconds spent drafting
+    # in the cycle before and in this one; a cycle without prefill tokens is comparable.
+    option: str | None = None
+    decided: str | None = None
+    prev_draft_s: float = 0.0
+    draft_s: float = 0.0
+    decode_only: bool = False
+    produced: int | None = None  # tokens the step produced (1 + accepted per request)
 
     @property
     def drafter_drafted(self) -> bool:

@@ -76,7 +76,8 @@ class OnlineSession:
         side = learner_setup.build(cfg, runner, drafter_path, self.drafter_k, self.leader)
         self.parts = side.parts
         self.cutter = DraftCutter(cfg.length_head, self.drafter_k, head=side.head,
-                                  head_trusted=side.head_trusted, on_skip=self.guard.skip)
+                                  head_trusted=side.head_trusted, on_skip=self.guard.skip,
+                                  lookup=self.lookup is not None)
         self.drafting = DraftStage(cfg, runner, self.cutter, self.lookup, self.drafter_k, self.K,
                                    self.guard)
         self.feedback = FeedbackStage(self.cutter, self.lookup, self.tracer, feature_log,

@@ -118,6 +118,10 @@ class CutterStats:
     # Measured engine-cycle seconds beyond the modelled target and drafter spans, by kind of
     # step and batch bucket ("drafted@B8" / "k0@B8"), as the gate prices them.
     gate_overhead_s: dict[str, float] = field(default_factory=dict)
+    # The budget's options (policy/option_choice.py): steps each ran, and what each option's
+    # measured cycles cost per produced token by batch bucket ("tree@B8": ms).
+    option_steps: dict[str, int] = field(default_factory=dict)
+    option_ms_per_token: dict[str, float] = field(default_factory=dict)
 
     @classmethod
     def from_cutter(cls, c: Any) -> "CutterStats":
@@ -129,7 +133,10 @@ class CutterStats:
                    gate_steps=g.steps if g else 0, gate_shut_steps=g.shut_steps if g else 0,
                    gate_explore_steps=g.explore_steps if g else 0,
                    gate_short_steps=g.short_steps if g else 0,
-                   gate_overhead_s=g.overhead.as_dict() if g else {}, **_estimator_fields(c))
+                   gate_overhead_s=g.overhead.as_dict() if g else {},
+                   option_steps=dict(c.options.chosen) if c.options else {},
+                   option_ms_per_token=c.options.ms_per_token() if c.options else {},
+                   **_estimator_fields(c))
 
 
 @dataclass

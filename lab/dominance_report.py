@@ -1,0 +1,137 @@
+"""Does the `cpu` preset ever lose to its own parts? docs/results/dominance.{md,json} from
+`vllm-onlinespec bench` runs, one per (batch, temperature) point, each over >= 2 stream orders
+(`--seeds 0,1`: the arm order reversed on the second).
+
+    python lab/dominance_report.py --run 1:0:RUN_B1 --run 8:0:RUN_B8 [--run 8:1:RUN_B8_T1] \
+        --name dominance --box "2-vCPU AMD EPYC (Zen 3), float32" --command "..."
+
+Each --run is BATCH:TEMPERATURE:FOLDER (the bench's --out with its seed-N/ folders). Per point
+and arm: tok/s (median over orders), vs_nospec and vs_best_other (the median of the per-order
+ratios; best other = the fastest of nospec, vLLM's suffix decoding and ngram in that order's run,
+the arm itself left out), their min-max over the orders, accept length, and for this project's
+arms the budget's choice shares (plain / tree / drafter steps) and its measured price per token.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+from pathlib import Path
+
+BASELINES = ("nospec", "vllm-suffix", "ngram")
+OURS_PREFIXES = ("frozen", "online", "k0", "budget", "shadow")
+
+
+def load_point(folder: Path) -> list[dict]:
+    """Per order: {arm: {"tok_s", "accept", "cutter"}} from each seed-N/report.json."""
+    seeds = sorted(folder.glob("seed-*/report.json")) or [folder / "report.json"]
+    out = []
+    for path in seeds:
+        rep = json.loads(path.read_text())
+        arms = {}
+        for a in rep["arms"]:
+            name = a["spec"]["name"]
+            t = a["totals"]
+            arms[name] = {"tok_s": t["tok_s"], "accept": t["acceptance_length"],
+                          "error": a.get("error"), "failed": len(a.get("failed", [])),
+                          "cutter": (a.get("learner") or {}).get("cutter", {}),
+                          "order": rep["meta"].get("run_order", [])}
+        out.append(arms)
+    return out
+
+
+def ratio_stats(xs: list[float]) -> dict:
+    return {"median": round(statistics.median(xs), 4), "min": round(min(xs), 4),
+            "max": round(max(xs), 4)}
+
+
+def point_rows(batch: int, temperature: float, orders: list[dict]) -> list[dict]:
+    arms = list(dict.fromkeys(a for o in orders for a in o))
+    rows = []
+    for arm in arms:
+        per = [o for o in orders if arm in o and not o[arm]["error"]]
+        if not per:
+            continue
+        vs_nospec = [o[arm]["tok_s"] / o["nospec"]["tok_s"] for o in per if "nospec" in o]
+        others = [[o[b]["tok_s"] for b in BASELINES if b in o and b != arm] for o in per]
+        vs_best = [o[arm]["tok_s"] / max(x) for o, x in zip(per, others) if x]
+        row = {"arm": arm, "batch": batch, "temperature": temperature,
+               "tok_s": round(statistics.median(o[arm]["tok_s"] for o in per), 2),
+               "accept_len": round(statistics.median(o[arm]["accept"] for o in per), 3),
+               "orders": len(per), "failed_requests": sum(o[arm]["failed"] for o in per)}
+        if vs_nospec:
+            row["vs_nospec"] = ratio_stats(vs_nospec)
+        if vs_best:
+            row["vs_best_other"] = ratio_stats(vs_best)
+        steps = [o[arm]["cutter"].get("option_steps") or {} for o in per]
+        if any(steps):
+            tot = {k: sum(s.get(k, 0) for s in steps) for k in ("plain", "tree", "drafter")}
+            n = max(1, sum(tot.values()))
+            row["option_shares"] = {k: round(v / n, 3) for k, v in tot.items()}
+            row["option_ms_per_token"] = [o[arm]["cutter"].get("option_ms_per_token", {})
+                                          for o in per]
+        gate = [o[arm]["cutter"] for o in per if o[arm]["cutter"].get("gate_steps")]
+        if gate:
+            row["gate_shut_share"] = round(sum(c["gate_shut_steps"] for c in gate)
+                                           / sum(c["gate_steps"] for c in gate), 3)
+        rows.append(row)
+    return rows
+
+
+def fmt(r: dict, key: str) -> str:
+    s = r.get(key)
+    return "-" if s is None else f"{s['median']:.2f}x ({s['min']:.2f}-{s['max']:.2f})"
+
+
+def page(rows: list[dict], args: argparse.Namespace) -> str:
+    lines = [f"# {args.title}", "", args.box, "",
+             "Every arm on the same prompts in the same run, each point over two stream "
+             "orders with the arm order reversed on the second; ratios are per order, median "
+             "(min-max). `vs best other`: against the fastest of nospec, vLLM's suffix decoding "
+             "and ngram in the same order. `options`: share of the budget's steps run plain / "
+             "tree only / tree + drafter (policy/option_choice.py).", "",
+             f"Command: `{args.command}`", "",
+             "| arm | batch | T | tok/s | vs nospec | vs best other | accept len | options "
+             "plain/tree/drafter | failed |", "|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        sh = r.get("option_shares")
+        opts = f"{sh['plain']:.2f} / {sh['tree']:.2f} / {sh['drafter']:.2f}" if sh else "-"
+        lines.append(f"| {r['arm']} | {r['batch']} | {r['temperature']:g} | {r['tok_s']:.1f} | "
+                     f"{fmt(r, 'vs_nospec')} | {fmt(r, 'vs_best_other')} | {r['accept_len']:.2f} "
+                     f"| {opts} | {r['failed_requests']} |")
+    lines += ["", "Goals: the preset (frozen, online) >= 0.99x the best other at every point; the "
+              "floor (k0) >= 0.98x nospec.", ""]
+    for r in rows:
+        if r["arm"].startswith(("frozen", "online", "k0")) and "vs_best_other" in r:
+            goal = 0.98 if r["arm"] == "k0" else 0.99
+            key = "vs_nospec" if r["arm"] == "k0" else "vs_best_other"
+            met = r[key]["median"] >= goal
+            lines.append(f"- {r['arm']} batch {r['batch']} T {r['temperature']:g}: "
+                         f"{key} {r[key]['median']:.2f}x -> {'met' if met else 'MISSED'}")
+    return "\n".join(lines) + "\n"
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--run", action="append", required=True, help="BATCH:TEMPERATURE:FOLDER")
+    p.add_argument("--name", default="dominance")
+    p.add_argument("--out-dir", default="docs/results")
+    p.add_argument("--title", default="The preset against its own parts")
+    p.add_argument("--box", required=True, help="the machine, one line")
+    p.add_argument("--command", default="", help="the bench commands, for the page")
+    args = p.parse_args()
+    rows = []
+    for spec in args.run:
+        batch, temp, folder = spec.split(":", 2)
+        rows += point_rows(int(batch), float(temp), load_point(Path(folder)))
+    out = Path(args.out_dir)
+    (out / f"{args.name}.json").write_text(json.dumps(
+        {"box": args.box, "command": args.command, "rows": rows}, indent=1))
+    (out / f"{args.name}.md").write_text(page(rows, args))
+    print(page(rows, args))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

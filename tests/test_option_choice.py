@@ -1,0 +1,133 @@
+"""The budget's choice among plain / tree / drafter by measured engine cycles
+(policy/option_choice.py), on synthetic cycle timings: each option is picked where it is the
+cheapest per produced token, the choice follows a change, a price holds only its own option's
+cycles, batch buckets are priced apart, and the cutter turns the choice into the drafter's k."""
+
+import pytest
+
+from vllm_onlinespec.config import ConfigError, LengthHeadConfig, OnlineSpecConfig
+from vllm_onlinespec.policy.budget import StepCostModel
+from vllm_onlinespec.policy.cutter import DraftCutter
+from vllm_onlinespec.policy.option_choice import OptionChoice
+from test_step_gate import K, stats_with_rate
+
+# (tokens per cycle, seconds per cycle) at batch 8: each table has another cheapest option.
+TABLES = {
+    "plain": {"plain": (8, 0.080), "tree": (9, 0.100), "drafter": (11, 0.140)},
+    "tree": {"plain": (8, 0.080), "tree": (12, 0.095), "drafter": (13, 0.125)},
+    "drafter": {"plain": (8, 0.080), "tree": (9, 0.090), "drafter": (16, 0.110)},
+}
+
+
+def run(choice: OptionChoice, table: dict, steps: int, batch: int = 8, gate_pick: str = "drafter",
+        noise: float = 0.0, seed: int = 0) -> list[str]:
+    """Each step: choose, then the cycle that verifies the choice is measured from `table`."""
+    import random
+
+    rng = random.Random(seed)
+    picks = []
+    for _ in range(steps):
+        o = choice.choose(batch, gate_pick).option
+        tokens, seconds = table[o]
+        choice.observe(o, batch, tokens * (1 + noise * rng.uniform(-1, 1)), seconds)
+        picks.append(o)
+    return picks
+
+
+@pytest.mark.parametrize("best", list(TABLES))
+def test_each_option_is_picked_where_it_is_cheapest_per_token(best):
+    choice = OptionChoice(explore_every=16)
+    picks = run(choice, TABLES[best], 400, noise=0.3)
+    tail = picks[200:]
+    # Everything but the 1-in-16 exploring steps runs the cheapest option.
+    assert tail.count(best) >= len(tail) * (1 - 1 / 16) - 1, (best, choice.shares())
+    # Exploration kept every other option's price current.
+    assert all(tail.count(o) >= 3 for o in TABLES if o != best)
+    ms = choice.ms_per_token()
+    assert min(ms, key=ms.get) == f"{best}@B8"
+
+
+def test_the_choice_follows_a_change():
+    choice = OptionChoice(explore_every=8)
+    run(choice, TABLES["drafter"], 300)
+    assert choice.choose(8, "drafter").option == "drafter"
+    picks = run(choice, TABLES["plain"], 300)  # e.g. the load grew: speculation stopped paying
+    switched = next(i for i, o in enumerate(picks) if picks[i:i + 20].count("plain") >= 17)
+    assert switched < 120, switched
+    assert picks[-40:].count("plain") >= 34
+
+
+def test_a_price_holds_only_its_own_options_cycles():
+    """Plain cycles are priced by plain cycles: tree cycles that happen to verify nothing must
+    not land in the plain price (the defect of the cost-model gate's 'k0' residual)."""
+    choice = OptionChoice()
+    for _ in range(50):
+        choice.observe("plain", 8, 8, 0.080)
+        choice.observe("tree", 8, 8, 0.089)  # a tree cycle whose drafts were all rejected
+    ms = choice.ms_per_token()
+    assert ms["plain@B8"] == pytest.approx(10.0)
+    assert ms["tree@B8"] == pytest.approx(11.125)
+
+
+def test_batch_buckets_are_priced_apart():
+    choice = OptionChoice(explore_every=8)
+    small = {"plain": (1, 0.030), "tree": (2.2, 0.034), "drafter": (2.0, 0.040)}
+    large = {"plain": (32, 0.100), "tree": (34, 0.130), "drafter": (36, 0.180)}
+    picks = {1: [], 32: []}
+    for _ in range(200):
+        picks[1] += run(choice, small, 1, batch=1)
+        picks[32] += run(choice, large, 1, batch=32)
+    assert picks[1][-100:].count("tree") >= 85
+    assert picks[32][-100:].count("plain") >= 85
+
+
+def test_until_measured_the_gates_pick_stands_and_unmeasured_options_are_measured_first():
+    choice = OptionChoice(explore_every=16, min_cycles=4)
+    picks = run(choice, TABLES["drafter"], 40, gate_pick="tree")
+    assert picks[0] == "tree"  # nothing measured: the gate's verdict
+    # Exploring every 4th step while unmeasured: both others measured min_cycles times by 32.
+    assert picks[:32].count("plain") == 4 and picks[:32].count("drafter") == 4
+    assert picks[-1] == "drafter"
+
+
+def test_options_are_validated():
+    with pytest.raises(ValueError, match="options"):
+        OptionChoice(options=("plain", "fast"))
+    with pytest.raises(ValueError, match="explore_every"):
+        OptionChoice(explore_every=1)
+    with pytest.raises(ConfigError, match="prompt_lookup"):
+        OnlineSpecConfig.from_any({"length_head": {"policy": "budget", "options": ["tree"]}})
+    with pytest.raises(ConfigError, match="twice"):
+        OnlineSpecConfig.from_any({"length_head": {"policy": "budget",
+                                                   "options": ["plain", "plain"]}})
+    with pytest.raises(ConfigError, match="options"):
+        OnlineSpecConfig.from_any({"length_head": {"options": ["foo"]}})
+
+
+def cutter(options=None, lookup=True):
+    cfg = LengthHeadConfig(policy="budget", k_min=0, explore_every=10**6, options=options,
+                           option_explore_every=4)
+    c = DraftCutter(cfg, K, cost_model=StepCostModel(a=0.05, b=5e-3, half_life=None,
+                                                     prior_weight=1e6), lookup=lookup)
+    c.policy.stats = stats_with_rate(0.95)  # the gate alone would draft at K
+    return c
+
+
+def test_the_cutter_runs_the_measured_choice():
+    c = cutter()
+    assert c.options.options == ("plain", "tree", "drafter")
+    for o, (tokens, seconds) in TABLES["tree"].items():
+        for _ in range(8):
+            c.observe_option(o, 8, tokens, seconds)
+    d = c.plan_next(8, 8)
+    assert (d.option, d.k) == ("tree", 0) and "tree (best measured)" in d.reason
+    assert c.next_option == "tree"
+    for o, (tokens, seconds) in TABLES["drafter"].items():
+        for _ in range(64):
+            c.observe_option(o, 8, tokens, seconds)
+    d = c.plan_next(8, 8)
+    assert (d.option, d.k) == ("drafter", K)
+    # Without a lookup the options are plain and the drafter; ['drafter'] is the gate alone.
+    assert cutter(lookup=False).options.options == ("plain", "drafter")
+    alone = cutter(options=["drafter"])
+    assert alone.options is None and alone.plan_next(8, 8).option is None

@@ -1,0 +1,140 @@
+"""The budget's choice among what the preset holds, priced by measured engine cycles.
+
+A step can verify one of three things:
+
+    plain     nothing: vLLM's drafter at K = 0 (its context pass) and no lookup draft
+    tree      the suffix tree's drafts alone (the drafter at K = 0)
+    drafter   the drafter's blocks at the gate's k, with the tree's drafts where it is confident
+
+The step gate (policy/step_gate.py) picks the drafter's k from a cost model; that model cannot
+see what a kind of step costs beyond the target and drafter spans (the tree's proposing, the
+rejection sampler, bookkeeping), and whatever it mispriced made the recipe lose to the tree
+alone or to plain decoding. This module prices each option by what its cycles measured: tokens
+produced per second of engine cycle, per batch-size bucket, comparing like with like (only
+cycles without prefill tokens, each labelled with the option whose drafts it verified, its
+drafting time counted to the option that drafted). It picks the option with the best measured
+rate; every `explore_every`-th step in a bucket runs the option measured longest ago instead, so
+every price stays current and a change in the load (or the drafter learning) moves the choice.
+An option with fewer than `min_cycles` measured cycles in a bucket is measured first, in those
+exploring steps; until every option has its cycles the gate's own choice stands.
+
+Core module: no vLLM import.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from vllm_onlinespec.policy.cycle_overhead import batch_bucket
+
+OPTIONS = ("plain", "tree", "drafter")
+
+
+@dataclass
+class OptionPrice:
+    """Exponential averages of one option's measured cycles in one batch bucket."""
+
+    tokens: float = 0.0  # tokens produced per cycle (accepted drafts + one per request)
+    seconds: float = 0.0  # seconds per cycle
+    cycles: int = 0
+    last: int = 0  # the choice's step counter when this option last ran here
+
+    @property
+    def rate(self) -> float:
+        """Tokens per second (0 until measured)."""
+        return self.tokens / self.seconds if self.seconds > 0 else 0.0
+
+
+@dataclass(frozen=True)
+class OptionDecision:
+    option: str  # one of OPTIONS
+    explore: bool  # run to keep its price current, not because it is the best
+    reason: str
+
+
+@dataclass
+class OptionChoice:
+    """Measured prices of `options` per batch bucket and the choice made from them."""
+
+    options: tuple[str, ...] = OPTIONS
+    explore_every: int = 16
+    min_cycles: int = 4
+    half_life_cycles: float = 16.0
+    prices: dict[tuple[str, int], OptionPrice] = field(default_factory=dict)
+    chosen: dict[str, int] = field(default_factory=dict)  # steps run per option
+    steps: int = 0
+    # Steps per bucket: each bucket explores on its own count (one shared count, with batch
+    # sizes that alternate, could land every exploring step in the same bucket).
+    bucket_steps: dict[int, int] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        unknown = [o for o in self.options if o not in OPTIONS]
+        if unknown or not self.options:
+            raise ValueError(f"options must be a non-empty subset of {OPTIONS} (got "
+                             f"{list(self.options)})")
+        if self.explore_every < 2 or self.min_cycles < 1 or self.half_life_cycles <= 0:
+            raise ValueError("OptionChoice: want explore_every >= 2, min_cycles >= 1 and "
+                             "half_life_cycles > 0")
+        self.chosen = {o: self.chosen.get(o, 0) for o in self.options}
+
+    def price(self, option: str, batch_size: int) -> OptionPrice:
+        return self.prices.setdefault((option, batch_bucket(batch_size)), OptionPrice())
+
+    def choose(self, batch_size: int, gate_pick: str) -> OptionDecision:
+        """The option for a step of `batch_size` requests; `gate_pick` is what the cost-model
+        gate would run (it stands until every option has been measured here)."""
+        self.steps += 1
+        if gate_pick not in self.options:
+            gate_pick = self.options[-1]
+        prices = {o: self.price(o, batch_size) for o in self.options}
+        b = batch_bucket(batch_size)
+        n = self.bucket_steps[b] = self.bucket_steps.get(b, 0) + 1
+        measured = all(p.cycles >= self.min_cycles for p in prices.values())
+        best = max(self.options, key=lambda o: prices[o].rate) if measured else gate_pick
+        rates = ", ".join(f"{o} {prices[o].rate:.1f}" + ("" if prices[o].cycles >= self.min_cycles
+                                                          else f" ({prices[o].cycles} cycles)")
+                          for o in self.options)
+        # Unmeasured options are measured 4x as often: a new bucket has prices within
+        # ~4 * min_cycles * explore_every / 4 steps.
+        every = self.explore_every if measured else max(2, self.explore_every // 4)
+        if len(self.options) > 1 and n % every == 0:
+            others = [o for o in self.options if o != best]
+            unmeasured = [o for o in others if prices[o].cycles < self.min_cycles]
+            if unmeasured:  # the least measured first
+                pick = min(unmeasured, key=lambda o: (prices[o].cycles, prices[o].last))
+            else:  # the one whose price is oldest
+                pick = min(others, key=lambda o: prices[o].last)
+            return self._run(pick, b, True, f"options at B<={b}: explore {pick} (1 step in "
+                                            f"{every}); measured tok/s {rates}")
+        why = "best measured" if measured else "the gate's pick until every option is measured"
+        return self._run(best, b, False, f"options at B<={b}: {best} ({why}); measured tok/s "
+                                         f"{rates}")
+
+    def _run(self, option: str, bucket: int, explore: bool, reason: str) -> OptionDecision:
+        self.chosen[option] += 1
+        self.prices.setdefault((option, bucket), OptionPrice()).last = self.bucket_steps[bucket]
+        return OptionDecision(option, explore, reason)
+
+    def observe(self, option: str, batch_size: int, tokens: float, seconds: float) -> None:
+        """One measured cycle that verified `option`'s drafts: `tokens` produced in `seconds`
+        (its drafting included). Cycles with prefill must not come here (not comparable)."""
+        if option not in self.options or batch_size <= 0 or not seconds > 0 or tokens < 0:
+            return
+        p = self.price(option, batch_size)
+        d = 0.5 ** (1.0 / self.half_life_cycles)
+        if p.cycles == 0:
+            p.tokens, p.seconds = float(tokens), float(seconds)
+        else:
+            p.tokens = d * p.tokens + (1 - d) * float(tokens)
+            p.seconds = d * p.seconds + (1 - d) * float(seconds)
+        p.cycles += 1
+
+    def ms_per_token(self) -> dict[str, float]:
+        """What each option's cycles cost per produced token, by bucket ("tree@B8": ms)."""
+        return {f"{o}@B{b}": round(1e3 / p.rate, 3) for (o, b), p in sorted(self.prices.items())
+                if p.cycles and p.rate > 0}
+
+    def shares(self) -> dict[str, float]:
+        """Fraction of the choice's steps each option ran."""
+        n = max(1, sum(self.chosen.values()))
+        return {o: round(c / n, 4) for o, c in self.chosen.items()}
