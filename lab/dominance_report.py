@@ -65,9 +65,9 @@ def point_rows(batch: int, temperature: float, orders: list[dict]) -> list[dict]
         if vs_best:
             row["vs_best_other"] = ratio_stats(vs_best)
         steps = [o[arm]["cutter"].get("option_steps") or {} for o in per]
-        if any(steps):
-            tot = {k: sum(s.get(k, 0) for s in steps) for k in ("plain", "tree", "drafter")}
-            n = max(1, sum(tot.values()))
+        tot = {k: sum(s.get(k, 0) for s in steps) for k in ("plain", "tree", "drafter")}
+        if sum(tot.values()):  # a k0 arm holds the options but never chooses
+            n = sum(tot.values())
             row["option_shares"] = {k: round(v / n, 3) for k, v in tot.items()}
             row["option_ms_per_token"] = [o[arm]["cutter"].get("option_ms_per_token", {})
                                           for o in per]
@@ -76,6 +76,15 @@ def point_rows(batch: int, temperature: float, orders: list[dict]) -> list[dict]
             row["gate_shut_share"] = round(sum(c["gate_shut_steps"] for c in gate)
                                            / sum(c["gate_steps"] for c in gate), 3)
         rows.append(row)
+    # The options' own gain: the preset against itself with the cost-model gate alone.
+    for arm in arms:
+        if arm.endswith("+gateonly") and arm[: -len("+gateonly")] in arms:
+            base = arm[: -len("+gateonly")]
+            per = [o for o in orders if base in o and arm in o]
+            if per:
+                rows.append({"arm": f"{base} / {arm}", "batch": batch, "temperature": temperature,
+                             "ratio": ratio_stats([o[base]["tok_s"] / o[arm]["tok_s"]
+                                                   for o in per]), "orders": len(per)})
     return rows
 
 
@@ -94,12 +103,18 @@ def page(rows: list[dict], args: argparse.Namespace) -> str:
              f"Command: `{args.command}`", "",
              "| arm | batch | T | tok/s | vs nospec | vs best other | accept len | options "
              "plain/tree/drafter | failed |", "|---|---|---|---|---|---|---|---|---|"]
+    ratios = [r for r in rows if "ratio" in r]
+    rows = [r for r in rows if "ratio" not in r]
     for r in rows:
         sh = r.get("option_shares")
         opts = f"{sh['plain']:.2f} / {sh['tree']:.2f} / {sh['drafter']:.2f}" if sh else "-"
         lines.append(f"| {r['arm']} | {r['batch']} | {r['temperature']:g} | {r['tok_s']:.1f} | "
                      f"{fmt(r, 'vs_nospec')} | {fmt(r, 'vs_best_other')} | {r['accept_len']:.2f} "
                      f"| {opts} | {r['failed_requests']} |")
+    lines += ["", "The choice among options against the cost-model gate alone (tok/s, same order):",
+              ""] + [f"- {r['arm']}, batch {r['batch']}, T {r['temperature']:g}: "
+                     f"{r['ratio']['median']:.2f}x ({r['ratio']['min']:.2f}-{r['ratio']['max']:.2f})"
+                     for r in ratios]
     lines += ["", "Goals: the preset (frozen, online) >= 0.99x the best other at every point; the "
               "floor (k0) >= 0.98x nospec.", ""]
     for r in rows:

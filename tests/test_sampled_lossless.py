@@ -37,8 +37,12 @@ P_FLOOR = 1e-3
 LOOKUP = {"enabled": True, "min_n": 1, "min_tokens": 1}
 # The answer repeats the prompt: its first token recurs there, so lookup drafts the second.
 REPEAT_PROMPT = "Repeat after me: I like green apples. I like green apples. I like green apples."
+# The drafter's drafts under each filter; unfiltered temperature 1 is the lookup-drafts test's
+# spec (test_sampled_tokens_verified_against_lookup_drafts_follow_the_target) and the fit of
+# test_sampled_online.py.
 SPECS = {"T1": dict(temperature=1.0), "top_k": dict(temperature=1.0, top_k=20),
          "top_p": dict(temperature=0.8, top_p=0.8)}
+DRAFTER_SPECS = ("top_k", "top_p")
 
 
 def engine_config(drafter: str, online: dict) -> dict:
@@ -158,7 +162,7 @@ def test_greedy_rows_in_a_mixed_batch_equal_the_target(llm, hf_target):
     check_mixed_batch(llm, hf_target)
 
 
-@pytest.mark.parametrize("name", list(SPECS))
+@pytest.mark.parametrize("name", DRAFTER_SPECS)
 def test_rejection_sampler_follows_the_target_distribution(llm, hf_target, name):
     before = spec_drafts(llm)
     res = fit(llm, hf_target, name)

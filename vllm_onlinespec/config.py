@@ -209,6 +209,10 @@ class PacingConfig(_Section):
     learner_priority: Literal["idle", "low", "normal"] = Field(
         "normal", description="the learner thread's scheduling priority: 'idle' (SCHED_IDLE: "
         "CPU time serving leaves), 'low' (nice 19), 'normal' (docs/results/learner_priority.md)")
+    idle_after_s: float | None = Field(
+        0.5, gt=0.0, description="no engine step for this many seconds (a server between "
+        "requests) and the learner trains at full share until the next step (> 0; None = "
+        "never); an engine step at batch 1 takes ~0.05-0.1 s on a CPU")
 
     @model_validator(mode="after")
     def _min_below_max(self) -> "PacingConfig":

@@ -244,11 +244,13 @@ class OnlineLearner:
         (`unthrottled`): an update starved beside serving has a long wall time, and the pause
         it earns at the old share would otherwise sleep through the idle gap."""
         end = time.monotonic() + pause
-        while not self._stop.is_set() and time.monotonic() >= self._full_share_until:
+        while (not self._stop.is_set() and time.monotonic() >= self._full_share_until
+               and not self._serving_idle()):
             left = end - time.monotonic()
             if left <= 0:
                 return
-            self._wake.wait(left)  # notify(), stop() and unthrottled() set it
+            # notify(), stop() and unthrottled() set it; an idle probe is polled every 0.1 s
+            self._wake.wait(min(left, 0.1) if self.idle_probe is not None else left)
             self._wake.clear()
 
     # -- one update ------------------------------------------------------------------------------
@@ -309,11 +311,21 @@ class OnlineLearner:
             yield
 
     _full_share_until = 0.0  # time.monotonic() before which the share is 1 (see unthrottled)
+    # Says whether serving idles now (no engine step for a while, set by the serving session):
+    # the learner then takes the cores serving leaves at full share.
+    idle_probe: Callable[[], bool] | None = None
+
+    def _serving_idle(self) -> bool:
+        probe = self.idle_probe
+        try:
+            return probe is not None and bool(probe())
+        except Exception:  # noqa: BLE001 - a broken probe means "not idle", never a dead learner
+            return False
 
     @property
     def share(self) -> float:
         """Fraction of wall time the learner may be busy now."""
-        if time.monotonic() < self._full_share_until:
+        if time.monotonic() < self._full_share_until or self._serving_idle():
             return 1.0
         return self.duty.share if self.duty is not None else self.cfg.pacing.learner_cpu_share
 

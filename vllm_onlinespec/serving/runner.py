@@ -110,6 +110,8 @@ class OnlineSpecRunnerMixin:
                                                 verifies_drafter=verifies, option=option,
                                                 prev_draft_s=prev_draft_s, decode_only=base == B)
             self._onlinespec_span = self._onlinespec_timer.start()
+            if session is not None:
+                session.step_began()  # the learner's idle probe: serving is busy
         try:
             return super().execute_model(scheduler_output, *args, **kwargs)
         finally:

@@ -24,6 +24,7 @@ its own guard, so a stage that fails every step still leaves the others working.
 from __future__ import annotations
 
 import logging
+import time
 from typing import Any, Callable
 
 import torch
@@ -68,6 +69,8 @@ class OnlineSession:
             self.oracle = OracleVerifier(cfg.oracle.accept_len, self.K, cfg.oracle.seed)
         self.resumed_from: str | None = None
         self._drafted_by = 0  # the drafter version that proposed what the next step verifies
+        # Serving idles when no step ran for pacing.idle_after_s: the learner's idle probe.
+        self._in_step, self._last_step = False, time.monotonic()
         drafter_path = str(drafter_dir(runner.vllm_config, cfg))  # a hub id: vLLM's snapshot
         # The drafter's own draft length; K above it is room for lookup drafts only.
         self.drafter_k = drafter_tokens(cfg, drafter_path, self.K)
@@ -99,6 +102,8 @@ class OnlineSession:
                 self.cutter.refresh(latest[1], latest[0])
                 self._drafted_by = self.publisher.version
             self._start_pending = True  # warmed_up() starts it, after vLLM's graph capture
+            if cfg.pacing.idle_after_s is not None:
+                self.learner.idle_probe = self.serving_idle
         logger.info("onlinespec: worker ready (learning=%s, algorithm=%s, K=%d); %s",
                     cfg.enabled, cfg.update.algorithm, self.K, self.cutter.describe())
 
@@ -163,8 +168,20 @@ class OnlineSession:
         with self.guard(G.DRAFT_CONFIDENCE):
             self.cutter.observe_confidence(conf)
 
+    def step_began(self) -> None:
+        """An engine step starts (execute_model): serving is not idle."""
+        self._in_step, self._last_step = True, time.monotonic()
+
+    def serving_idle(self) -> bool:
+        """No engine step ran or is running for pacing.idle_after_s seconds (a server between
+        requests, an RL engine between rounds): the learner may take every core then."""
+        after = self.cfg.pacing.idle_after_s
+        return (after is not None and not self._in_step
+                and time.monotonic() - self._last_step > after)
+
     def after_step(self, runner: Any, view: compat.StepView | None, sampled: Any) -> None:
         """Feedback, publish and metrics, each under its own guard."""
+        self._in_step, self._last_step = False, time.monotonic()
         self.steps += 1
         self.start_learning()  # a worker that skipped vLLM's warm-up (elastic EP): now, after it
         verified_by, self._drafted_by = self._drafted_by, self.publisher.version
