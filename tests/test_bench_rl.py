@@ -155,20 +155,26 @@ def test_unthrottled_gives_full_share_for_the_gap_then_restores_it():
     assert ln.share == 0.25
 
 
-def test_a_gap_cuts_the_pacing_pause_short():
-    """An update starved beside serving earns a long pause at the old share (busy x 3 at 0.25);
-    a gap must not wait for it to run out."""
-    feed = {"left": 10**9}
-    ln = _learner(feed)
+def _starved_learner():
+    """A learner whose first update takes 1 s: beside serving at share 0.25 it then earns a
+    3 s pacing pause."""
+    ln = _learner({"left": 10**9})
     slow = {"first": True}
     make = ln.make_batch
 
-    def starved_first(buf):  # the first update takes 1 s: a 3 s pause at share 0.25
+    def starved_first(buf):
         if slow.pop("first", False):
             time.sleep(1.0)
         return make(buf)
 
     ln.make_batch = starved_first
+    return ln
+
+
+def test_a_gap_cuts_the_pacing_pause_short():
+    """An update starved beside serving earns a long pause at the old share (busy x 3 at 0.25);
+    a gap must not wait for it to run out."""
+    ln = _starved_learner()
     ln.start()
     try:
         time.sleep(1.3)  # the first update is done, the learner sleeps in its pause
@@ -240,18 +246,8 @@ def test_a_server_between_requests_gives_the_learner_full_share():
     session = OnlineSession.__new__(OnlineSession)  # only the probe's state and config
     session.cfg = SimpleNamespace(pacing=SimpleNamespace(idle_after_s=0.3))
     session.step_began()
-    feed = {"left": 10**9}
-    ln = _learner(feed)
+    ln = _starved_learner()
     ln.idle_probe = session.serving_idle
-    slow = {"first": True}
-    make = ln.make_batch
-
-    def starved_first(buf):  # the first update takes 1 s: a 3 s pause at share 0.25
-        if slow.pop("first", False):
-            time.sleep(1.0)
-        return make(buf)
-
-    ln.make_batch = starved_first
     assert ln.share == 0.25  # a step is running
     session._in_step, session._last_step = False, time.monotonic()  # what after_step records
     ln.start()

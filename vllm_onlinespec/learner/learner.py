@@ -257,18 +257,22 @@ class OnlineLearner:
     def sync_step(self, batch: Any = None) -> str:
         """Run one update in the caller's thread. Uses `batch` if given, else asks make_batch.
         Returns "updated", "no_batch", "nonfinite" or "error"; never raises."""
-        if batch is None:
-            try:
-                if self.ready is not None and not self.ready(self.buffer):
-                    return "no_batch"
-                batch = self.make_batch(self.buffer)
-            except Exception as e:
-                self._count_failure("errors", "make_batch", e)
-                return "error"
+        self._in_update = True  # from taking a batch to its update's end (see unthrottled)
+        try:
             if batch is None:
-                return "no_batch"
-        with self._model_lock, on_stream(self._stream):
-            return self._train_on(batch)
+                try:
+                    if self.ready is not None and not self.ready(self.buffer):
+                        return "no_batch"
+                    batch = self.make_batch(self.buffer)
+                except Exception as e:
+                    self._count_failure("errors", "make_batch", e)
+                    return "error"
+                if batch is None:
+                    return "no_batch"
+            with self._model_lock, on_stream(self._stream):
+                return self._train_on(batch)
+        finally:
+            self._in_update = False
 
     def _train_on(self, batch: Any) -> str:
         t0 = time.perf_counter()
@@ -311,6 +315,7 @@ class OnlineLearner:
             yield
 
     _full_share_until = 0.0  # time.monotonic() before which the share is 1 (see unthrottled)
+    _in_update = False  # sync_step is between taking a batch and its update's end
     # Says whether serving idles now (no engine step for a while, set by the serving session):
     # the learner then takes the cores serving leaves at full share.
     idle_probe: Callable[[], bool] | None = None
@@ -341,11 +346,11 @@ class OnlineLearner:
         self._wake.set()
         try:
             while self.running and time.perf_counter() - t0 < seconds:
-                if self.ready is not None and not self.ready(self.buffer):
-                    if self._model_lock.acquire(blocking=False):  # no update in progress
-                        self._model_lock.release()
-                        if not self.ready(self.buffer):
-                            break
+                # Caught up: nothing ready and no update under way (a batch taken counts: the
+                # buffer may already look empty while its update has not started).
+                if (self.ready is not None and not self._in_update
+                        and not self.ready(self.buffer) and not self._in_update):
+                    break
                 time.sleep(poll_s)
         finally:
             self._full_share_until = 0.0
