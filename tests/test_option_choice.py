@@ -131,3 +131,31 @@ def test_the_cutter_runs_the_measured_choice():
     assert cutter(lookup=False).options.options == ("plain", "drafter")
     alone = cutter(options=["drafter"])
     assert alone.options is None and alone.plan_next(8, 8).option is None
+
+
+def test_tensor_parallel_ranks_draft_what_rank_0_decided():
+    """Each rank's gate and options decide from its own timings; the drafter's forward is a
+    collective, so every rank adopts rank 0's (k, option) for the step (one int broadcast)."""
+    from test_serving_hooks import FakeTpGroup
+
+    from vllm_onlinespec.policy.step_gate import GateDecision
+    from vllm_onlinespec.serving.drafting import DraftStage
+
+    wire: list = []
+    stages = []
+    for rank in (0, 1):
+        c = cutter()
+        stages.append(DraftStage(None, None, c, None, K, 16, None, tp=FakeTpGroup(rank, wire)))
+    # rank 0 measured the tree as cheapest, rank 1 the drafter: they would part ways
+    d0 = stages[0].agree(GateDecision(0, False, "r0", option="tree"))
+    d1 = stages[1].agree(GateDecision(K, False, "r1", option="drafter"))
+    assert (d0.k, d0.option) == (d1.k, d1.option) == (0, "tree")
+    assert stages[1].cutter.next_option == "tree" and not wire
+    for k, option in ((3, "drafter"), (0, "plain"), (K, None)):
+        d0 = stages[0].agree(GateDecision(k, False, "r0", option=option))
+        d1 = stages[1].agree(GateDecision(1, False, "r1", option="tree"))
+        assert (d1.k, d1.option) == (k, option) == (d0.k, d0.option)
+    # one rank: nothing is exchanged
+    alone = DraftStage(None, None, cutter(), None, K, 16, None)
+    d = GateDecision(2, False, "x", option="drafter")
+    assert alone.agree(d) is d

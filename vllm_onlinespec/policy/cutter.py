@@ -157,6 +157,14 @@ class DraftCutter:
         k = (d.k or self.gate.best_k or self.K) if o.option == "drafter" else 0
         return GateDecision(k, False, f"{d.reason}; {o.reason}", option=o.option)
 
+    def adopt(self, k: int, option: str | None) -> GateDecision:
+        """Serve the next step at draft length k as `option` (another rank's decision under
+        tensor parallelism)."""
+        if (k, option) != (self._next.k, self._next.option):
+            self._next = GateDecision(k, self._next.explore and k == self._next.k,
+                                      f"rank 0's decision: k={k}, {option}", option=option)
+        return self._next
+
     @property
     def next_option(self) -> str | None:
         """The option the drafts being cut now were chosen as (None: no choice made)."""

@@ -16,11 +16,17 @@ from vllm_onlinespec.serving import guard as G
 logger = logging.getLogger("vllm_onlinespec")
 
 
+# A step's (k, option) as one integer for the TP broadcast: k * 4 + the option's code.
+_OPTION_CODES = {None: 0, "plain": 1, "tree": 2, "drafter": 3}
+_OPTION_NAMES = {v: k for k, v in _OPTION_CODES.items()}
+
+
 class DraftStage:
     def __init__(self, cfg: OnlineSpecConfig, runner: Any, cutter: Any, lookup: Any,
-                 drafter_k: int, K: int, guard: Any) -> None:
+                 drafter_k: int, K: int, guard: Any, tp: Any = None) -> None:
         self.cfg, self.runner, self.cutter, self.lookup = cfg, runner, cutter, lookup
         self.drafter_k, self.K, self.guard = drafter_k, K, guard
+        self.tp = tp  # the TP group (None: one rank)
 
     def gate(self, scheduler_output: Any, sampled: Any = None) -> tuple[Any, int] | None:
         """(the scheduler output vLLM's drafter should see, the draft length k it asks for),
@@ -37,7 +43,7 @@ class DraftStage:
         k = self.drafter_k
         if self.cutter.policy_name == "budget":
             B, base = compat.step_token_counts(scheduler_output)
-            k = min(k, self.cutter.plan_next(B, base).k)
+            k = min(k, self.agree(self.cutter.plan_next(B, base)).k)
         if (k and sampled is not None and self.lookup is not None
                 and self.cfg.prompt_lookup.skip_drafter):
             req_ids = compat.batch_req_ids(self.runner)
@@ -48,6 +54,16 @@ class DraftStage:
         if k >= self.K:
             return None
         return compat.with_spec_tokens(scheduler_output, k), k
+
+    def agree(self, decision: Any) -> Any:
+        """Under tensor parallelism every rank drafts what rank 0 decided: the gate and the
+        options decide from each rank's own timings, and the drafter's forward is a
+        collective (ranks asking it for different k would not meet). One int broadcast a step."""
+        if self.tp is None:
+            return decision
+        code = decision.k * 4 + _OPTION_CODES.get(decision.option, 0)
+        k, option = divmod(compat.broadcast_version(self.tp, code), 4)
+        return self.cutter.adopt(k, _OPTION_NAMES[option])
 
     def cut(self, drafts: Any) -> Any:
         """Cut each request's draft to the verify-length policy's choice (a prefix), then the

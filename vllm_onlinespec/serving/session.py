@@ -82,7 +82,7 @@ class OnlineSession:
                                   head_trusted=side.head_trusted, on_skip=self.guard.skip,
                                   lookup=self.lookup is not None)
         self.drafting = DraftStage(cfg, runner, self.cutter, self.lookup, self.drafter_k, self.K,
-                                   self.guard)
+                                   self.guard, tp=self.tp)
         self.feedback = FeedbackStage(self.cutter, self.lookup, self.tracer, feature_log,
                                       self.learner, self.buffer, self.guard)
         if self.cutter.needs_hidden and not compat.wrap_draft_sampler(runner, self.observe_draft_hidden):
