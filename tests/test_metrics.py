@@ -48,3 +48,26 @@ def test_the_budgets_options_are_reported_by_option_and_batch(tmp_path, monkeypa
     price = {(s.labels["option"], s.labels["batch"]): s.value
              for s in fams["onlinespec:option_ms_per_token"].samples}
     assert price == {("plain", "8"): 10.0, ("tree", "8"): 8.5, ("drafter", "1"): 20.0}
+
+
+def test_an_unreaped_worker_is_not_reported(tmp_path, monkeypatch):
+    """A worker whose engine was killed may linger as a zombie, which answers signal 0 like a
+    live process: its last figures must not be reported beside a live server's."""
+    import time
+
+    from vllm_onlinespec.serving.metrics import ENV, OnlineSpecCollector, _alive
+
+    monkeypatch.setenv(ENV, str(tmp_path))
+    zombie = subprocess.Popen([sys.executable, "-c", "pass"])  # exits; not waited for yet
+    try:
+        deadline = time.time() + 20
+        while time.time() < deadline and _alive(str(zombie.pid)):
+            time.sleep(0.05)
+        assert not _alive(str(zombie.pid))
+        os.kill(zombie.pid, 0)  # still there as a zombie: signal 0 alone would call it alive
+        (tmp_path / f"worker-{zombie.pid}.json").write_text(json.dumps(
+            {"stats": {"published_version": 0}, "info": {}}))
+        fams = {f.name: f for f in OnlineSpecCollector().collect()}
+        assert fams["onlinespec:drafter_version"].samples == []
+    finally:
+        zombie.wait()

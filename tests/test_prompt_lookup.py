@@ -134,6 +134,7 @@ class CuttingCutter:
     """The verify-length policy's side of the session: cuts to `keep`, records what it saw."""
 
     policy_name = "fixed"
+    next_option = None  # no budget: no choice among plain / tree / drafter
 
     def __init__(self, keep):
         self.keep, self.observed = keep, []

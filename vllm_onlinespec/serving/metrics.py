@@ -92,7 +92,17 @@ def _alive(pid: str) -> bool:
         return False
     except (PermissionError, ValueError):
         return True  # exists but not ours to signal / not a pid name: keep it
-    return True
+    return not _zombie(pid)
+
+
+def _zombie(pid: str) -> bool:
+    """An exited worker nobody reaped yet (its engine was killed) answers signal 0 like a live
+    one: /proc says which it is (Linux; elsewhere: not a zombie)."""
+    try:
+        stat = Path(f"/proc/{int(pid)}/stat").read_text()
+    except (OSError, ValueError):
+        return False
+    return stat.rsplit(")", 1)[-1].split()[:1] == ["Z"]  # field 3, after "(comm)"
 
 
 class OnlineSpecCollector:
