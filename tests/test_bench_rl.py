@@ -195,7 +195,10 @@ def test_unthrottled_returns_once_caught_up():
         out = ln.unthrottled(5.0)
     finally:
         ln.stop()
-    assert out["updates"] == 3 and out["seconds"] < 4.0 and ln.share == 0.25
+    # All three batches trained (the thread may take the first before the call begins), back
+    # long before the 5 s, the share restored.
+    assert ln.updates == 3 and 1 <= out["updates"] <= 3, out
+    assert out["seconds"] < 4.0 and ln.share == 0.25
     assert ln.published_version == 1
 
 
