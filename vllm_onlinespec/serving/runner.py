@@ -170,9 +170,10 @@ class OnlineSpecRunnerMixin:
             return super().propose_draft_token_ids(*args, **kwargs)
         finally:
             with guard(G.PROPOSE):
-                self._onlinespec_profile.draft_s += time.perf_counter() - t0
+                dt = time.perf_counter() - t0
+                self._onlinespec_profile.draft_s += dt
                 if self._onlinespec_cycle is not None:
-                    self._onlinespec_cycle.draft_s += time.perf_counter() - t0
+                    self._onlinespec_cycle.draft_s += dt
                 if session is not None and span is not None:
                     self._onlinespec_timer.stop(
                         span, lambda sec: session.drafting.observe_draft_time(k, sec))
