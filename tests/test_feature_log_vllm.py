@@ -32,11 +32,12 @@ def generated(smollm2_path, tmp_path_factory):
     try:
         greedy = fn(ids, SamplingSpec(temperature=0.0, max_tokens=MAX_TOKENS))
         sampled = fn(ids[:1], SamplingSpec(temperature=0.8, n=2, max_tokens=MAX_TOKENS, seed=1))
+        passes = fn.stats().drafter_passes
     finally:
         fn.close()
     seqs = [p + r for p, rs in zip(ids, greedy) for r in rs] + [ids[0] + r for r in sampled[0]]
     return {"layers": list(dcfg.target_layer_ids), "log": tmp / "log", "ids": ids,
-            "greedy": greedy, "seqs": seqs}
+            "greedy": greedy, "seqs": seqs, "passes": passes}
 
 
 @pytest.fixture(scope="module")
@@ -53,6 +54,14 @@ def test_plain_engine_output_is_the_targets(generated, hf_target):
             ref = hf_target.generate(x, attention_mask=torch.ones_like(x),
                                      max_new_tokens=MAX_TOKENS, do_sample=False)
         assert resp == ref[0, len(prompt):].tolist()
+
+
+def test_a_plain_engine_runs_no_drafter_forward(generated):
+    """The K = 0 floor: every step asked vLLM's drafter for nothing, and nothing ran (no
+    context pass: no later draft would read it)."""
+    passes = generated["passes"]
+    assert passes.get("none", 0) >= MAX_TOKENS, passes
+    assert passes.get("draft", 0) == 0 and passes.get("context", 0) == 0, passes
 
 
 def test_logged_features_equal_the_hf_pass(generated, hf_target):

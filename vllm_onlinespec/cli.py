@@ -124,11 +124,13 @@ def build_parser() -> argparse.ArgumentParser:
     from vllm_onlinespec.bench.concurrency import add_bench_serve_parser
     from vllm_onlinespec.bench.demo import add_demo_parser
     from vllm_onlinespec.bench.rl import add_bench_rl_parser
+    from vllm_onlinespec.bench.soak import add_bench_soak_parser
 
     add_demo_parser(sub)
     add_bench_parser(sub)
     add_bench_serve_parser(sub)
     add_bench_rl_parser(sub)
+    add_bench_soak_parser(sub)
     return p
 
 

@@ -519,7 +519,7 @@ class OnlineLearner:
             "update_ms_ema": self.update_ms_ema, "snapshot_ms": self.snapshot_ms,
             "device": str(self.device), "grad_norm": self.grad_norm,
             "busy_s": self.busy_s, "running": self.running, "last_error": self.last_error,
-            "share": self.share}
+            "share": self.share, "in_update": self._in_update}
         if self.duty is not None:
             s.update(gain_scores=self.duty.n, share_reason=self.duty.reason,
                      score_errors=self.score_errors)

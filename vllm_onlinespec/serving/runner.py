@@ -74,8 +74,8 @@ class OnlineSpecRunnerMixin:
         self._onlinespec_invariant = compat.InvariantVerifier(mode) if mode != "off" else None
         if self._onlinespec_invariant is not None and cfg.sampling.coupled_drafts:
             self._install_coupled_drafts()
-        if cfg.length_head.k0_step == "context_only":
-            compat.install_context_only_k0(self)
+        if cfg.length_head.k0_step == "context_only" or cfg.features.plain:
+            compat.install_context_only_k0(self, never_drafts=cfg.features.plain)
         self._onlinespec = OnlineSession(self, cfg, self._onlinespec_guard)
         return out
 

@@ -42,6 +42,7 @@ class LearnerStats:
     grad_norm: float = NAN
     busy_s: float = 0.0
     running: bool = False
+    in_update: bool = False  # between taking a batch and its update's end, now
     last_error: str | None = None
     fresh_trainable: int = 0  # fresh tokens the next update could use (held-back ones excluded)
     caught_up: bool = True  # fresh_trainable < min_new_tokens_per_update: no update until more
@@ -151,6 +152,9 @@ class OnlineSpecStats:
     cost_b_s_per_token: float | None = None
     resumed_from: str | None = None  # checkpoint the learner resumed, None = fresh start
     target_swaps: int = 0  # in-flight swaps of the target's weights (serving/target_swap.py)
+    # vLLM drafter calls by kind: "draft" (a forward that drafts), "context" (a K = 0 step's
+    # context K/V only), "none" (a K = 0 step of an engine that never drafts: nothing runs)
+    drafter_passes: dict[str, int] = field(default_factory=dict)
     lookup_rows: int = 0  # request-steps whose verified draft came from prompt lookup
     lookup_drafted: int = 0  # of those, draft tokens verified
     lookup_accepted: int = 0  # and accepted
@@ -231,6 +235,8 @@ def session_stats(s: Any) -> OnlineSpecStats:
         cost_a_s=cm.a if cm is not None else None,
         cost_b_s_per_token=cm.b if cm is not None else None,
         resumed_from=s.resumed_from, hooks=s.guard.stats(), target_swaps=s.target_swaps,
+        drafter_passes=dict(getattr(getattr(s.runner, "drafter", None), "_onlinespec_passes",
+                                    None) or {}),
         cutter=CutterStats.from_cutter(s.cutter),
         **invariant_fields(getattr(s.runner, "_onlinespec_invariant", None)),
         **lookup_fields(s.lookup))

@@ -177,7 +177,14 @@ def vllm_generate_fn(model_path: str, dtype: str = "bfloat16",
         if llm is not None:
             llm.llm_engine.engine_core.shutdown()  # stops the engine and worker processes
 
+    def stats():
+        """The engine's OnlineSpecStats (serving/stats.py), e.g. its drafter passes."""
+        from vllm_onlinespec.serving.stats import fetch
+
+        return fetch(state["llm"])
+
     fn.close = close  # type: ignore[attr-defined]
+    fn.stats = stats  # type: ignore[attr-defined]
     return fn
 
 

@@ -255,15 +255,17 @@ def wrap_draft_ids(runner: Any, rewrite: Callable[[torch.Tensor, torch.Tensor], 
     return True
 
 
-def install_context_only_k0(runner: Any) -> bool:
+def install_context_only_k0(runner: Any, never_drafts: bool = False) -> bool:
     """Make vLLM's DFlash proposer take a context-only path when it is asked for 0 draft
-    tokens (a K = 0 step of the budget's gate, or a plain feature-logging engine): the new
-    tokens' context K/V are written (fc + the fused k/v projection, norm, RoPE, cache insert:
-    what every later draft attends to) and nothing else runs. vLLM's own K = 0 path also runs
-    the drafter's layers over the B bonus-token queries and throws their output away
-    (llm_base_proposer.py:617-626); those queries' K/V sit past the committed tokens and are
-    overwritten by the next step's context before anything reads them. Returns whether the
-    path is installed (only on a DFlash proposer, once)."""
+    tokens (a K = 0 step of the budget's gate): the new tokens' context K/V are written (fc +
+    the fused k/v projection, norm, RoPE, cache insert: what every later draft attends to) and
+    nothing else runs. vLLM's own K = 0 path also runs the drafter's layers over the B
+    bonus-token queries and throws their output away (llm_base_proposer.py:617-626); those
+    queries' K/V sit past the committed tokens and are overwritten by the next step's context
+    before anything reads them. `never_drafts` (a plain feature-logging engine, the K = 0
+    floor): no later draft reads that context, so a K = 0 step runs no drafter forward at all.
+    Counts each kind of call in `proposer._onlinespec_passes` ("draft", "context", "none").
+    Returns whether the path is installed (only on a DFlash proposer, once)."""
     proposer = getattr(runner, "drafter", None)
     model = getattr(proposer, "model", None)
     if (getattr(proposer, "method", None) != "dflash"
@@ -271,14 +273,24 @@ def install_context_only_k0(runner: Any) -> bool:
             or getattr(proposer, "_onlinespec_k0", False)):
         return False
     full = proposer.propose
+    passes = {"draft": 0, "context": 0, "none": 0}
 
     def propose(num_speculative_tokens, *args, **kwargs):
         if num_speculative_tokens != 0 or args:  # vLLM passes keywords (gpu_model_runner.py:5006)
+            passes["draft"] += 1
             return full(num_speculative_tokens, *args, **kwargs)
+        if never_drafts:
+            passes["none"] += 1
+            proposer.num_speculative_tokens = 0
+            proposer._last_draft_probs = None
+            return torch.empty(kwargs["common_attn_metadata"].batch_size(), 0,
+                               device=kwargs["next_token_ids"].device, dtype=torch.int64)
+        passes["context"] += 1
         return context_only_propose(proposer, **kwargs)
 
     proposer.propose = propose
     proposer._onlinespec_k0 = True
+    proposer._onlinespec_passes = passes
     proposer._onlinespec_full_propose = full  # vLLM's own, for tests that compare the two
     return True
 
