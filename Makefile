@@ -33,7 +33,8 @@ model: setup
 
 # Online learning where the served model was fine-tuned away from its drafter (the terse-steps
 # variant served with the base model's drafter), two stream orders (~8 min on a 2-vCPU Zen 5;
-# `$(CLI) demo --quick`: a few; `--scenario domain`: the base model on an unseen domain).
+# `$(CLI) demo --quick`: a few; `--scenario domain`: the base model on an unseen domain;
+# `--scenario rl`: RL rollouts while the policy changes every round).
 # It replaces an earlier demo's runs/demo (--force).
 # SPEC_BENCH=path/to/question.jsonl (Spec-Bench's questions, optional) adds its categories.
 SPEC_BENCH ?=

@@ -33,7 +33,7 @@ def child(arm: str, out: Path) -> None:
     from vllm import LLM
 
     import test_sampled_lossless as T
-    from test_worker_parity import make_drafter
+    from engine_checks import make_drafter
     from vllm_onlinespec.bench.sampling import SamplingParamsSpec, goodness_of_fit, pair_probabilities
     from vllm_onlinespec.engine import engine_kwargs
     from vllm_onlinespec.models import pull

@@ -57,25 +57,48 @@ def spec_bench_questions() -> list[dict]:
     return [json.loads(line) for line in SPEC_BENCH.read_text().splitlines() if line.strip()]
 
 
+_GREEDY: dict[tuple, list[int]] = {}
+
+
+def hf_greedy(hf, prompt_ids, max_tokens: int) -> list[int]:
+    """The HF model's own greedy continuation of prompt_ids (float32, up to max_tokens, ending at
+    EOS where it stops), cached for the session: many engine tests compare the same prompts
+    with the same target. Keyed by the model's folder, so a swapped or tiny target is its own."""
+    import torch
+
+    key = (str(hf.name_or_path), tuple(int(t) for t in prompt_ids), int(max_tokens))
+    if key not in _GREEDY:
+        ids = torch.tensor([list(key[1])])
+        with torch.no_grad():
+            out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_tokens,
+                              do_sample=False)
+        _GREEDY[key] = out[0, ids.shape[1]:].tolist()
+    return list(_GREEDY[key])
+
+
 @pytest.fixture(scope="session")
-def greedy_reference(smollm2_path) -> dict[str, list[int]]:
+def hf_smollm2(smollm2_path):
+    """The default target in HF, float32, once per session."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(smollm2_path, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="session")
+def greedy_reference(smollm2_path, hf_smollm2) -> dict[str, list[int]]:
     """The HF target's own greedy answers to test_online.PROMPTS (float32): what every learning
     engine's output must equal, token for token. One per session: several modules compare."""
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
 
     from test_online import MAX_TOKENS, PROMPTS
 
     tok = AutoTokenizer.from_pretrained(smollm2_path)
-    hf = AutoModelForCausalLM.from_pretrained(smollm2_path, dtype=torch.float32).eval()
     ref = {}
     for p in PROMPTS:
         ids = tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True,
-                                      return_tensors="pt", return_dict=True)["input_ids"]
-        with torch.no_grad():
-            out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=MAX_TOKENS,
-                              do_sample=False)
-        ref[p] = out[0, ids.shape[1]:].tolist()
+                                      return_dict=True)["input_ids"]
+        ref[p] = hf_greedy(hf_smollm2, ids, MAX_TOKENS)
     return ref
 
 

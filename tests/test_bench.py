@@ -329,3 +329,83 @@ def test_demo_scenarios_serve_known_targets_with_the_base_drafter():
     # the fine-tuned scenario serves another model than the one its drafter was trained for
     ft = SCENARIOS["finetuned"]
     assert ft.target != ft.drafter_of and KNOWN_MODELS[ft.target].adapter
+
+
+def _rl_rows(online_late: dict[int, float], frozen_late: float = 1.8) -> list[dict]:
+    """Rows as bench-rl writes them: 4 rounds per order, accept len 1.8 in the first half."""
+    rows = []
+    for order, late in online_late.items():
+        for label, arm, acc in (("frozen", "frozen", frozen_late),
+                                ("online gap 12s", "online", late)):
+            for rnd in range(4):
+                a = 1.8 if rnd < 2 else acc
+                rows.append({"label": label, "arm": arm, "order": order, "round": rnd,
+                             "version": min(rnd, 1), "gap_s": 12.0 if arm == "online" else 0.0,
+                             "output_tokens": 400, "wall_s": 4.0, "tok_s": 100.0,
+                             "drafts": 200, "accepted": round((a - 1) * 200), "accept_len": a,
+                             "drafter_accept": None, "gate_shut_share": 0.5,
+                             "learner_updates_round": 0, "learner_updates_gap": 0,
+                             "gap_s_used": 0.0, "push_s": 1.0})
+    return rows
+
+
+def test_rl_demo_verdict_needs_the_gain_in_every_order_over_the_last_half():
+    from vllm_onlinespec.bench.demo import MIN_GAIN, rl_verdict
+
+    both = rl_verdict(_rl_rows({0: 1.9, 1: 1.95}))
+    assert both[-1].startswith("verdict: LEARNED") and "+0.100" in both[-1]
+    assert both[0].startswith("last half of the rounds, order 0: online 1.900 vs frozen 1.800")
+    one = rl_verdict(_rl_rows({0: 1.9, 1: 1.8 + MIN_GAIN / 3}))
+    assert one[-1].startswith("verdict: NOT LEARNED") and "+0.010" in one[-1]
+    # the first half (rounds 0-1) does not count: online ahead there only is not learning
+    early = _rl_rows({0: 1.8, 1: 1.8})
+    for r in early:
+        if r["arm"] == "online" and r["round"] < 2:
+            r["accepted"] += 50
+    assert rl_verdict(early)[-1].startswith("verdict: NOT LEARNED")
+    assert "failed" in rl_verdict([r for r in _rl_rows({0: 1.9}) if r["arm"] != "online"])[0]
+
+
+def test_rl_demo_plan_fits_the_built_in_prompts_and_pushes_a_new_policy():
+    from vllm_onlinespec.bench import prompts as P
+    from vllm_onlinespec.bench.demo import RL_PLANS, RL_VERSIONS
+    from vllm_onlinespec.models import KNOWN_MODELS
+
+    for plan in RL_PLANS.values():
+        assert plan.rounds * plan.prompts_per_round <= len(P.builtin_chat())
+        assert plan.rounds >= 2 and plan.gap_s > 0
+    assert len(RL_VERSIONS) == 2 and all(v in KNOWN_MODELS for v in RL_VERSIONS)
+
+
+def test_rl_demo_runs_bench_rl_with_its_plan_and_writes_the_verdict(tmp_path, monkeypatch):
+    """`demo --scenario rl` hands bench-rl its plan (versions, arms, rounds, gap, built-in
+    prompts) and adds the verdict to bench-rl's report (a stand-in for the engines' run)."""
+    import argparse
+    import json
+
+    import vllm_onlinespec.bench.rl as rl
+    from vllm_onlinespec.bench.demo import RL_PLANS, RL_VERSIONS, run_rl_demo
+
+    seen = {}
+
+    def fake_run(ns, msgs):
+        seen["ns"], seen["msgs"] = ns, msgs
+        rows = _rl_rows({0: 1.9, 1: 1.95})
+        meta = {"rounds": ns.rounds, "prompts_per_round": ns.prompts_per_round, "n": ns.n,
+                "max_tokens": ns.max_tokens, "command": ns.command, "versions": RL_VERSIONS,
+                "push": ns.push, "gaps": [float(ns.gap_s)], "wall_s": 1.0}
+        rl.write_report(rows, tmp_path, meta)
+        return 0
+
+    monkeypatch.setattr(rl, "run_bench_rl", fake_run)
+    args = argparse.Namespace(quick=False, spec_bench=None)
+    assert run_rl_demo(args, tmp_path) == 0
+    plan, ns = RL_PLANS["full"], seen["ns"]
+    assert ns.versions == ",".join(RL_VERSIONS) and ns.arms == "frozen,online" and ns.orders == 2
+    assert (ns.rounds, ns.prompts_per_round, ns.n) == (plan.rounds, plan.prompts_per_round, plan.n)
+    assert float(ns.gap_s) == plan.gap_s and len(seen["msgs"]) == plan.rounds * plan.prompts_per_round
+    md = (tmp_path / "rl_rollouts.md").read_text()
+    assert "## Verdict" in md and "verdict: LEARNED" in md
+    assert json.loads((tmp_path / "rl_rollouts.json").read_text())["meta"]["verdict"][-1] \
+        .startswith("verdict: LEARNED")
+    assert (tmp_path / "rl_rollouts.png").stat().st_size > 1000

@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from test_worker_parity import assert_drafter_matches_twin, assert_greedy_equal
+from engine_checks import assert_drafter_matches_twin, assert_greedy_equal
 
 pytestmark = pytest.mark.vllm
 
@@ -22,10 +22,8 @@ MAX_TOKENS = 24
 
 
 @pytest.fixture(scope="module")
-def hf_target(smollm2_path):
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(smollm2_path, dtype=torch.float32).eval()
+def hf_target(hf_smollm2):
+    return hf_smollm2
 
 
 @pytest.fixture(scope="module")

@@ -3,7 +3,7 @@ worker, and a bad value fails before any engine process starts, in one line nami
 
 import pytest
 
-from test_worker_parity import make_drafter
+from engine_checks import make_drafter
 
 
 @pytest.fixture(scope="module")

@@ -1,11 +1,16 @@
 """The continuous protocol with a real engine (float32, SmolLM2, the shipped drafter learning):
 requests join the running batch as 3 closed-loop clients send them, the learner publishes
 while they run, and every greedy answer still equals the HF target's, token for token. The
-windows add up to the stream and carry the drafter versions. One engine for the module."""
+windows add up to the stream and carry the drafter versions. The shipped drafter drafts from a
+reduced vocabulary (draft_vocab_size + d2t): the learner trains the rows vLLM serves, and its
+checkpoints keep that vocabulary. One engine for the module."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
+import torch
 
 pytestmark = pytest.mark.vllm
 
@@ -28,7 +33,9 @@ def served(smollm2_path, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("continuous")
     online = {"update": {"lr": 2e-3}, "min_new_tokens_per_update": 8,
               "pacing": {"learner_cpu_share": 0.8},
-              "batch_blocks": 32, "anchors_per_request": 8}
+              "batch_blocks": 32, "anchors_per_request": 8,
+              # a checkpoint at every publish: the last test reads one back
+              "checkpoint": {"every_n_versions": 1}}
     spec = make_arm("online-ogd", target=smollm2_path, prompts=str(tmp / "p.jsonl"), out_dir=tmp,
                     drafter=str(shipped_drafter("smollm2-135m")), online=online, dtype="float32",
                     max_tokens=MAX_TOKENS, arrivals="closed:3", window_s=1.0)
@@ -55,7 +62,7 @@ def served(smollm2_path, tmp_path_factory):
     finally:
         AP.request_result = real
         llm.llm_engine.engine_core.shutdown()
-    return res, outputs, prompts, final, waves
+    return res, outputs, prompts, final, waves, Path(spec.onlinespec["checkpoint"]["dir"])
 
 
 def test_wave_protocol_on_the_same_engine(served):
@@ -66,7 +73,7 @@ def test_wave_protocol_on_the_same_engine(served):
 
 
 def test_every_request_served_once_and_windows_add_up(served):
-    res, outputs, prompts, final, _ = served
+    res, outputs, prompts, final, *_ = served
     assert not res.failed and len(res.requests) == len(PROMPTS)
     assert sorted(r.prompt_id for r in res.requests) == sorted(p["id"] for p in prompts)
     assert sum(w.output_tokens for w in res.waves) == sum(r.output_tokens for r in res.requests)
@@ -90,7 +97,7 @@ def test_greedy_output_equals_the_target_while_learning(served, smollm2_path):
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    res, outputs, prompts, final, _ = served
+    res, outputs, prompts, final, *_ = served
     assert final.published_version >= 1, "the learner never published during the stream"
     tok = AutoTokenizer.from_pretrained(smollm2_path)
     model = AutoModelForCausalLM.from_pretrained(smollm2_path, torch_dtype=torch.float32).eval()
@@ -104,3 +111,18 @@ def test_greedy_output_equals_the_target_while_learning(served, smollm2_path):
         if tok.eos_token_id in want:  # vLLM stops at EOS and keeps it; HF pads after it
             want = want[:want.index(tok.eos_token_id) + 1]
         assert got == want, f"prompt {p['id']}: vLLM {got} != HF {want}"
+
+
+def test_learner_checkpoints_keep_the_reduced_vocabulary(served):
+    from vllm_onlinespec.drafter import load_draft_vocab
+    from vllm_onlinespec.learner import checkpoint as ckpt
+    from vllm_onlinespec.models import shipped_drafter
+
+    final, folder = served[3], served[5]
+    assert final.learner.errors == 0 and final.hook_errors == 0, final
+    shipped = load_draft_vocab(shipped_drafter("smollm2-135m"))
+    assert shipped is not None and shipped.ids.numel() < 49152  # reduced: the case tested
+    newest = ckpt.latest_complete(folder)
+    assert newest is not None, f"the learner wrote no checkpoint under {folder}"
+    got = load_draft_vocab(newest / ckpt.MODEL_DIR)
+    assert got is not None and torch.equal(got.ids, shipped.ids)

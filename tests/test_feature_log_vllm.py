@@ -41,19 +41,15 @@ def generated(smollm2_path, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def hf_target(smollm2_path):
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(smollm2_path, dtype=torch.float32).eval()
+def hf_target(hf_smollm2):
+    return hf_smollm2
 
 
 def test_plain_engine_output_is_the_targets(generated, hf_target):
+    from conftest import hf_greedy
+
     for prompt, (resp,) in zip(generated["ids"], generated["greedy"]):
-        x = torch.tensor([prompt])
-        with torch.no_grad():
-            ref = hf_target.generate(x, attention_mask=torch.ones_like(x),
-                                     max_new_tokens=MAX_TOKENS, do_sample=False)
-        assert resp == ref[0, len(prompt):].tolist()
+        assert resp == hf_greedy(hf_target, prompt, MAX_TOKENS)
 
 
 def test_a_plain_engine_runs_no_drafter_forward(generated):
@@ -79,7 +75,7 @@ def test_logged_features_equal_the_hf_pass(generated, hf_target):
         for g, want in ((got.aux, aux[0]), (got.final, final[0])):
             assert g.shape == want.shape
             worst = max(worst, ((g.float() - want).norm(dim=-1) / want.norm(dim=-1)).max().item())
-    # fp32 C++ kernels vs PyTorch: well under this (tests/test_worker_parity.py: an off-by-one
+    # fp32 C++ kernels vs PyTorch: well under this (tests/test_serving_faults.py parity: an off-by-one
     # layer measures 0.61)
     assert worst < 1e-3, f"max relative error {worst:.3g}"
 

@@ -9,7 +9,7 @@ import pytest
 
 from test_online import (MAX_TOKENS, PROMPTS, assert_lossless,
                          online_cfg, run_pass, wait_learned)
-from test_worker_parity import K, make_drafter
+from engine_checks import K, make_drafter
 
 pytestmark = pytest.mark.vllm
 

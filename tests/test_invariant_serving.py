@@ -5,7 +5,6 @@ Engine-level checks: tests/test_invariant_sampling_vllm.py."""
 
 from __future__ import annotations
 
-import os
 from types import SimpleNamespace
 
 import pytest

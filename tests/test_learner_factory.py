@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from vllm_onlinespec.config import OnlineSpecConfig
-from vllm_onlinespec.drafter import DFlashConfig, DFlashDrafter, LengthHead, load_drafter, save_drafter
+from vllm_onlinespec.drafter import DFlashConfig, DFlashDrafter, LengthHead, save_drafter
 from vllm_onlinespec.learner import checkpoint as ckpt
 from vllm_onlinespec.learner.buffer import FeedbackRecord
 from vllm_onlinespec.learner.factory import build_learner

@@ -2,16 +2,18 @@
 
 One engine for the module: several passes of the same prompts with the learner on. Greedy output
 must equal no speculation token for token across every published version; acceptance must rise
-over the passes (memory of the same prompts, like vLLM's suffix-decoding acceptance test); a
-learner that raises must leave serving intact; the buffer stays bounded; a restart resumes the
-newest complete checkpoint.
+over the passes (memory of the same prompts, like vLLM's suffix-decoding acceptance test); the
+buffer stays bounded; greedy rows beside sampled ones stay the target's and temperature-1 draws
+follow the target's distribution while the weights change; a learner that raises must leave
+serving intact. A server killed mid-update or mid-checkpoint resumes the newest complete
+checkpoint: tests/test_soak.py.
 """
 
 import time
 
 import pytest
 
-from test_worker_parity import make_drafter
+from engine_checks import make_drafter
 
 pytestmark = pytest.mark.vllm
 
@@ -127,6 +129,35 @@ def test_buffer_stays_within_bounds(session):
     assert st.buffer.tokens_in > BUFFER["max_tokens"], "the run was too short to test the bound"
 
 
+def test_greedy_rows_in_a_mixed_batch_equal_the_target_while_the_drafter_learns(session,
+                                                                                hf_smollm2):
+    from test_sampled_lossless import check_mixed_batch
+
+    llm = session["llm"]
+    check_mixed_batch(llm, hf_smollm2)  # greedy rows beside sampled ones of every kind
+    v0 = stats(llm).published_version
+    check_mixed_batch(llm, hf_smollm2)
+    st = stats(llm)
+    assert st.learner.updates >= 1 and st.published_version >= v0, st
+    assert st.hook_errors == 0, st
+
+
+def test_sampled_tokens_follow_the_target_while_learning(session, hf_smollm2):
+    """Temperature 1, seeded draws: drafter-invariant verification (the default with learning
+    on) while the weights change under way, with adaflash cutting drafts."""
+    from test_sampled_lossless import N_DRAWS, P_FLOOR, fit, spec_drafts
+
+    llm = session["llm"]
+    before = spec_drafts(llm)
+    res = fit(llm, hf_smollm2, "T1")
+    print(f"spec online adaflash T1: {res.summary()}")
+    assert spec_drafts(llm) - before >= N_DRAWS
+    assert res.p_value > P_FLOOR, res.summary()
+    assert abs(res.z_top) < 4, res.summary()
+    st = stats(llm)
+    assert 0 < st.cutter.verified < st.cutter.drafted, st  # adaflash did cut drafts
+
+
 def test_learner_that_raises_leaves_serving_intact(session, greedy_reference):
     llm = session["llm"]
 
@@ -142,24 +173,3 @@ def test_learner_that_raises_leaves_serving_intact(session, greedy_reference):
     # An update already in flight when the fault was injected may still publish once.
     assert st.learner.errors > 0 and st.published_version <= v0 + 1, st
     assert st.hook_errors == 0
-
-
-def test_restart_resumes_newest_complete_checkpoint(session, paths):
-    from vllm_onlinespec.learner import checkpoint as ckpt
-
-    llm = session["llm"]
-    llm.llm_engine.engine_core.shutdown()
-    del session["llm"], llm
-    newest = ckpt.load_latest(paths["ckpt"])
-    assert newest is not None and newest.version >= 10
-    llm = make_llm(paths["target"], paths["drafter"], paths["ckpt"])
-    try:
-        st = stats(llm)
-        assert st.published_version == newest.version and st.resumed_from, st
-        # The digest is of vLLM's drafter as loaded (read back from vLLM's module), so a publish
-        # that left vLLM's weights behind would show here.
-        drafter_state = {k.removeprefix("drafter."): v for k, v in newest.model_state.items()
-                         if k.startswith("drafter.")}
-        assert llm.collective_rpc("onlinespec_digest")[0] == ckpt.state_digest(drafter_state)
-    finally:
-        llm.llm_engine.engine_core.shutdown()

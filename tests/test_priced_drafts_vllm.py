@@ -5,9 +5,8 @@ target's own. Verify tokens are made dear (rho 0.3) so both cut drafts in this s
 from __future__ import annotations
 
 import pytest
-import torch
 
-from test_worker_parity import assert_greedy_equal
+from engine_checks import assert_greedy_equal
 
 pytestmark = pytest.mark.vllm
 
@@ -46,10 +45,8 @@ def served(smollm2_path):
 
 
 @pytest.fixture(scope="module")
-def hf_target(smollm2_path):
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(smollm2_path, dtype=torch.float32).eval()
+def hf_target(hf_smollm2):
+    return hf_smollm2
 
 
 def test_priced_and_estimated_drafts_are_lossless(served, hf_target):

@@ -20,9 +20,8 @@ top_k/top_p, an engine crash on a seeded chunk-prefilled prompt.
 from __future__ import annotations
 
 import pytest
-import torch
 
-from test_worker_parity import make_drafter
+from engine_checks import make_drafter
 
 pytestmark = pytest.mark.vllm
 
@@ -39,7 +38,7 @@ LOOKUP = {"enabled": True, "min_n": 1, "min_tokens": 1}
 REPEAT_PROMPT = "Repeat after me: I like green apples. I like green apples. I like green apples."
 # The drafter's drafts under each filter; unfiltered temperature 1 is the lookup-drafts test's
 # spec (test_sampled_tokens_verified_against_lookup_drafts_follow_the_target) and the fit of
-# test_sampled_online.py.
+# tests/test_online.py (the same fit while learning).
 SPECS = {"T1": dict(temperature=1.0), "top_k": dict(temperature=1.0, top_k=20),
          "top_p": dict(temperature=0.8, top_p=0.8)}
 DRAFTER_SPECS = ("top_k", "top_p")
@@ -72,18 +71,11 @@ def long_prompt() -> str:
 
 
 @pytest.fixture(scope="module")
-def hf_target(smollm2_path):
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(smollm2_path, dtype=torch.float32).eval()
+def hf_target(hf_smollm2):
+    return hf_smollm2
 
 
-def hf_greedy(hf, prompt_ids: list[int], n: int) -> list[int]:
-    ids = torch.tensor([prompt_ids])
-    with torch.no_grad():
-        out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n,
-                          do_sample=False)
-    return out[0, ids.shape[1]:].tolist()
+from conftest import hf_greedy  # noqa: E402 - the session's cached HF greedy continuation
 
 
 def mixed_batch(llm) -> tuple[list, list]:

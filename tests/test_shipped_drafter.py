@@ -60,11 +60,10 @@ PROMPTS = ["Give me three tips for a good night's sleep.", "Write a Python funct
 
 
 @pytest.mark.vllm
-def test_shipped_drafter_is_lossless_in_vllm_fp32(smollm2_path):
-    from transformers import AutoModelForCausalLM
+def test_shipped_drafter_is_lossless_in_vllm_fp32(smollm2_path, hf_smollm2):
     from vllm import LLM, SamplingParams
 
-    from test_worker_parity import assert_greedy_equal
+    from engine_checks import assert_greedy_equal
     from vllm_onlinespec.engine import engine_kwargs
 
     drafter = str(models.shipped_drafter("smollm2-135m"))
@@ -79,8 +78,7 @@ def test_shipped_drafter_is_lossless_in_vllm_fp32(smollm2_path):
         found = {m.name: m.value for m in llm.get_metrics() if hasattr(m, "value")}
     finally:
         llm.llm_engine.engine_core.shutdown()
-    # The target's own greedy continuation (HF, float32), as test_worker_parity compares.
-    hf = AutoModelForCausalLM.from_pretrained(smollm2_path, dtype=torch.float32).eval()
-    assert_greedy_equal(outs, hf, 48)
+    # The target's own greedy continuation (HF, float32), as test_serving_faults compares.
+    assert_greedy_equal(outs, hf_smollm2, 48)
     # the drafter drafts something the target accepts
     assert found.get("vllm:spec_decode_num_accepted_tokens", 0) > 0

@@ -8,9 +8,8 @@ the same context K/V as vLLM's own K = 0 forward."""
 import os
 
 import pytest
-import torch
 
-from test_worker_parity import assert_greedy_equal
+from engine_checks import assert_greedy_equal
 
 pytestmark = pytest.mark.vllm
 
@@ -120,10 +119,8 @@ def k0_report(worker):
 
 
 @pytest.fixture(scope="module")
-def hf_target(smollm2_path):
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(smollm2_path, dtype=torch.float32).eval()
+def hf_target(hf_smollm2):
+    return hf_smollm2
 
 
 def test_switching_between_k0_and_drafting_is_lossless(served, hf_target):

@@ -7,9 +7,8 @@ a confident tree match up to 8, and steps where the tree drafts every request sk
 from __future__ import annotations
 
 import pytest
-import torch
 
-from test_worker_parity import assert_greedy_equal
+from engine_checks import assert_greedy_equal
 
 pytestmark = pytest.mark.vllm
 
@@ -55,10 +54,8 @@ def served(smollm2_path):
 
 
 @pytest.fixture(scope="module")
-def hf_target(smollm2_path):
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(smollm2_path, dtype=torch.float32).eval()
+def hf_target(hf_smollm2):
+    return hf_smollm2
 
 
 def test_suffix_tree_hybrid_is_lossless(served, hf_target):

@@ -6,6 +6,7 @@ back as pushed tensors (as RL frameworks push, no folder): bad pushes (unknown n
 shape, another vocabulary) fail in one line and change nothing, the good one serves the base's
 greedy output again."""
 
+import functools
 import json
 import shutil
 
@@ -14,7 +15,11 @@ import torch
 
 pytestmark = pytest.mark.vllm
 
-PROMPTS = ["What is 2+2?", "Name three colors.", "Write one sentence about the moon."]
+# The last prompt fills whole K/V blocks, which vLLM's prefix cache keeps: served before and
+# after the swap, it is answered from the new weights only if the swap reset that cache.
+PROMPTS = ["What is 2+2?", "Name three colors.", "Write one sentence about the moon.",
+           " ".join(f"Fact {i}: {i} plus {i} is {2 * i}." for i in range(24)) + " Which fact "
+           "mentions 7?"]
 MAX_TOKENS = 24
 
 
@@ -96,6 +101,7 @@ def served(smollm2_path, variant, tmp_path_factory):
     return out
 
 
+@functools.cache
 def hf(path):
     from transformers import AutoModelForCausalLM
 
@@ -103,14 +109,9 @@ def hf(path):
 
 
 def greedy_ids(model, outs):
-    refs = []
-    for out in outs:
-        ids = torch.tensor([list(out.prompt_token_ids)])
-        with torch.no_grad():
-            ref = model.generate(ids, attention_mask=torch.ones_like(ids),
-                                 max_new_tokens=MAX_TOKENS, do_sample=False)
-        refs.append(ref[0, ids.shape[1]:].tolist())
-    return refs
+    from conftest import hf_greedy
+
+    return [hf_greedy(model, out.prompt_token_ids, MAX_TOKENS) for out in outs]
 
 
 def served_ids(outs):
@@ -124,6 +125,7 @@ def test_greedy_output_follows_the_swapped_weights_token_for_token(served, smoll
     assert served_ids(served["before"]) == base_ref
     assert served_ids(served["after_failed"]) == base_ref  # failed swaps changed nothing
     assert served_ids(served["after"]) == var_ref
+    assert served["report"]["prefix_cache_reset"], served["report"]
 
 
 def test_pushed_tensors_replace_the_weights_and_bad_pushes_change_nothing(served, smollm2_path,

@@ -121,13 +121,11 @@ def tp(smollm2_path, tmp_path_factory):
 def test_tp2_greedy_output_equals_the_target(tp):
     from transformers import AutoModelForCausalLM
 
+    from conftest import hf_greedy
+
     hf = AutoModelForCausalLM.from_pretrained(tp["target"], dtype=torch.float32).eval()
     for out in tp["outs"]:
-        ids = torch.tensor([list(out.prompt_token_ids)])
-        with torch.no_grad():
-            ref = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=MAX_TOKENS,
-                              do_sample=False)
-        assert list(out.outputs[0].token_ids) == ref[0, ids.shape[1]:].tolist()
+        assert list(out.outputs[0].token_ids) == hf_greedy(hf, out.prompt_token_ids, MAX_TOKENS)
 
 
 def test_tp2_learner_on_rank0_only_and_ranks_hold_the_same_version(tp):

@@ -140,8 +140,10 @@ def swap_weights(llm, spec: ArmSpec) -> dict:
 
         report = swap_target(llm, spec.swap_to)
     else:
+        from vllm_onlinespec.serving.target_swap import reset_prefix_cache
+
         llm.collective_rpc("reload_weights", kwargs={"weights_path": spec.swap_to})
-        report = {}
+        report = {"prefix_cache_reset": reset_prefix_cache(llm)}
     return {"seconds": time.perf_counter() - t0,
             "dropped_tokens": int(report.get("dropped_tokens", 0))}
 

@@ -1,6 +1,19 @@
 """`vllm-onlinespec demo`: online learning where the served target has moved away from the
 drafter, end to end, on the CPU.
 
+The `rl` scenario is RL rollouts as frameworks drive vLLM (bench/rl.py, `bench-rl`):
+each round samples n answers per prompt (temperature 1, seeded) from the current policy, the
+trainer's new policy is pushed into the engine in place, and while the trainer works (the gap)
+the learner trains at full share on what the last round verified. Version 0 is SmolLM2-135M-
+Instruct, the drafter's own target; from round 1 on the policy is its fine-tune to terse numbered
+steps (the package's LoRA adapter, merged on first use): the frozen drafter falls behind it.
+Two arms, the `cpu` preset frozen and learning, on the same prompts, seeds and versions, two
+orders (the second reversed); the verdict compares their acceptance over the last half of the
+rounds in every order, and a plot shows acceptance and tok/s per round.
+
+The other scenarios, `finetuned` (the default) and `domain`, serve a stream of new prompts to
+one fixed target:
+
     1. provision the served target: by default (`--scenario finetuned`) SmolLM2-135M-Instruct
        fine-tuned to answer in terse numbered steps (the package's LoRA adapter, merged on first
        use); `--scenario domain`: the base model itself
@@ -29,9 +42,10 @@ own 4).
 from __future__ import annotations
 
 import argparse
+import json
 import shutil
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from vllm_onlinespec.bench import prompts as P
@@ -51,6 +65,10 @@ class Scenario:
 # learning exists for (docs/results/variant_gap.md). `domain`: the base target on a domain the
 # drafter never saw, where the drafter already matches every domain about equally.
 SCENARIOS = {
+    "rl": Scenario("rl", "smollm2-135m", "smollm2-135m",
+                   "RL rollouts: the policy changes between rounds (version 0 the base model, "
+                   "then its terse-steps fine-tune pushed in place) while the drafter was "
+                   "trained for version 0"),
     "finetuned": Scenario("finetuned", "smollm2-135m-terse", "smollm2-135m",
                           "a fine-tuned target (smollm2-135m-terse: the base fine-tuned to answer "
                           "in terse numbered steps) served with the base model's drafter"),
@@ -84,14 +102,33 @@ SERVE_CATEGORIES = ["math_reasoning"]
 ARMS = ("nospec", "frozen", "online-ogd")
 DEMO_PRESET = "cpu"
 ORDERS = (0, 1)  # stream orders (interleaving seeds); the arms run reversed on the second
+# `rl` becomes the default once a run of it on this box has shipped its figures.
 DEFAULT_SCENARIO = "finetuned"
+
+
+@dataclass(frozen=True)
+class RLPlan:
+    """The rollout scenario's size: rounds of prompts x n samples, a trainer gap after each."""
+    rounds: int
+    prompts_per_round: int
+    n: int
+    max_tokens: int
+    gap_s: float
+
+
+# Sized for a 2-vCPU box: 2 arms x 2 orders, each run an engine start (~40 s) and 4 rounds
+# (~15 s of rollouts each; the learning arm also idles the gap); ~9 min in all.
+RL_PLANS = {"full": RLPlan(rounds=4, prompts_per_round=4, n=4, max_tokens=48, gap_s=12.0),
+            "quick": RLPlan(rounds=2, prompts_per_round=2, n=2, max_tokens=16, gap_s=3.0)}
+RL_VERSIONS = ("smollm2-135m", "smollm2-135m-terse")
+RL_ARMS = "frozen,online"
 # A gain smaller than this (tokens per verify step) is within what timing alone can move.
 MIN_GAIN = 0.03
 
 
 def add_demo_parser(sub: argparse._SubParsersAction) -> None:
     d = sub.add_parser("demo", help="the main job: online learning where the target moved away "
-                       "from the drafter, on CPU",
+                       "from the drafter (a fine-tune, or RL rollouts of a changing policy), on CPU",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     d.add_argument("--quick", action="store_true", help="a few-minute version")
     d.add_argument("--spec-bench", metavar="PATH", help="Spec-Bench question.jsonl: serve its "
@@ -191,6 +228,74 @@ def fresh_output(out: Path, force: bool) -> Path:
     return out
 
 
+def rl_verdict(rows: list[dict]) -> list[str]:
+    """LEARNED only when, in every order, the learning arm's acceptance over the last half of
+    the rounds beats the frozen arm's by MIN_GAIN tokens per verify step."""
+    from vllm_onlinespec.bench.rl import last_half, pooled
+
+    online = next((r["label"] for r in rows if r["arm"] in ("online", "online-ogd")), None)
+    orders = sorted({r["order"] for r in rows})
+    gains, lines = [], []
+    for o in orders:
+        fr = pooled(last_half([r for r in rows if r["label"] == "frozen" and r["order"] == o]))
+        on = pooled(last_half([r for r in rows if r["label"] == online and r["order"] == o]))
+        if fr["accept_len"] is None or on["accept_len"] is None:
+            return ["verdict: an arm failed; see the logs under the output folder"]
+        gain = round(on["accept_len"] - fr["accept_len"], 3) + 0.0
+        gains.append(gain)
+        lines.append(f"last half of the rounds, order {o}: online {on['accept_len']:.3f} vs frozen "
+                     f"{fr['accept_len']:.3f} tokens per verify step ({gain:+.3f}); "
+                     f"{on['tok_s']:.1f} vs {fr['tok_s']:.1f} tok/s")
+    if not gains:
+        return ["verdict: no rounds were served; see the logs under the output folder"]
+    low = min(gains)
+    if low >= MIN_GAIN:
+        lines.append(f"verdict: LEARNED: the drafter kept up with the new policy, at least "
+                     f"{low:+.3f} accepted tokens per verify step over the same start weights "
+                     f"frozen, in every order")
+    else:
+        lines.append(f"verdict: NOT LEARNED: the smallest gain over the frozen drafter is "
+                     f"{low:+.3f} < {MIN_GAIN} tokens per verify step over {len(gains)} orders")
+    return lines
+
+
+def run_rl_demo(args: argparse.Namespace, out: Path) -> int:
+    from vllm_onlinespec.bench.rl import run_bench_rl, write_report
+
+    plan = RL_PLANS["quick" if args.quick else "full"]
+    count = plan.rounds * plan.prompts_per_round
+    if args.spec_bench:
+        prompts = P.spec_bench(args.spec_bench, SERVE_CATEGORIES)
+        what = "Spec-Bench " + "+".join(SERVE_CATEGORIES)
+    else:
+        prompts, what = P.builtin_chat(), "built-in chat prompts"
+    msgs = [p.messages for p in prompts[:count]]
+    print(f"scenario rl: {SCENARIOS['rl'].change}; {plan.rounds} rounds of "
+          f"{plan.prompts_per_round} {what} x n = {plan.n} samples x {plan.max_tokens} tokens, "
+          f"temperature 1, seeded; a {plan.gap_s:g} s trainer gap after each round; arms "
+          f"{RL_ARMS} (the cpu preset), 2 orders", flush=True)
+    ns = argparse.Namespace(
+        prompts=None, tail=0, skip=0, versions=",".join(RL_VERSIONS), rounds=plan.rounds,
+        arms=RL_ARMS, prompts_per_round=plan.prompts_per_round, n=plan.n,
+        max_tokens=plan.max_tokens, gap_s=f"{plan.gap_s:g}", push="state_dict", orders=2, seed=0,
+        preset=DEMO_PRESET, drafter=None, dtype="auto", engine_lock=None, publish=None, date=None,
+        quick=False, out=str(out),
+        command="vllm-onlinespec demo" + (" --quick" if args.quick else ""))
+    rc = run_bench_rl(ns, msgs)
+    data = json.loads((out / "rl_rollouts.json").read_text())
+    lines = rl_verdict(data["rows"])
+    meta = {**data["meta"], "verdict": lines, "title": (
+        f"vllm-onlinespec demo: RL rollouts, policy pushed after round 0 "
+        f"({RL_VERSIONS[0]} -> {RL_VERSIONS[1]})")}
+    paths, _ = write_report(data["rows"], out, meta)
+    print()
+    for line in lines:
+        print(line)
+    print(f"\nplot: {paths.get('png', '-')}\ntable: {paths['markdown']}\n"
+          f"wall time: {data['meta']['wall_s'] / 60:.1f} min")
+    return rc
+
+
 def run_demo(args: argparse.Namespace) -> int:
     from transformers import AutoTokenizer
 
@@ -200,8 +305,10 @@ def run_demo(args: argparse.Namespace) -> int:
     from vllm_onlinespec.models import resolve, shipped_drafter
 
     t0 = time.perf_counter()
-    plan = PLANS["quick" if args.quick else "full"]
     out = fresh_output(Path(args.out), args.force)
+    if args.scenario == "rl":
+        return run_rl_demo(args, out)
+    plan = PLANS["quick" if args.quick else "full"]
     timings: dict[str, float] = {}
 
     scenario = SCENARIOS[args.scenario]

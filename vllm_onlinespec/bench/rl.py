@@ -463,6 +463,8 @@ def markdown(data: dict) -> list[str]:
                      f"{_f(r['gate_shut_share'])} | {r['learner_updates_round']}+"
                      f"{r['learner_updates_gap']} | {_f(r['gap_s_used'], '.1f')} | "
                      f"{_f(r['wall_s'], '.1f')} |")
+    if meta.get("verdict"):
+        lines += ["", "## Verdict", "", *meta["verdict"]]
     if meta.get("box"):
         lines += ["", "## Box", "", "```", meta["box"].rstrip(), "```"]
     if meta.get("errors"):
@@ -480,8 +482,9 @@ def write_report(rows: list[dict], out: Path, meta: dict,
     write_result_files(out, RESULT_NAME, markdown(data), data, publish_dir)
     paths = {"json": out / f"{RESULT_NAME}.json", "markdown": out / f"{RESULT_NAME}.md"}
     if rows:
-        title = (f"RL rollouts: {meta['rounds']} policy versions, {meta['prompts_per_round']} "
-                 f"prompts x n={meta['n']} x {meta['max_tokens']} tok per round")
+        title = meta.get("title") or (
+            f"RL rollouts: {meta['rounds']} rounds, {meta['prompts_per_round']} prompts x "
+            f"n={meta['n']} x {meta['max_tokens']} tok per round")
         paths["png"] = plot(rows, out / f"{RESULT_NAME}.png", title)
         if publish_dir is not None:
             import shutil
@@ -542,7 +545,9 @@ def _gaps(text: str) -> list[float]:
     return gaps
 
 
-def run_bench_rl(args: argparse.Namespace) -> int:
+def run_bench_rl(args: argparse.Namespace, msgs: list[list[dict]] | None = None) -> int:
+    """The verb; `msgs` (chat messages, at least rounds x prompts_per_round) replace --prompts
+    (the demo serves its own)."""
     from vllm_onlinespec.bench.arm_catalog import base_settings, make_arm
     from vllm_onlinespec.bench import prompts as P
     from vllm_onlinespec.models import resolve, shipped_drafter
@@ -559,7 +564,9 @@ def run_bench_rl(args: argparse.Namespace) -> int:
     rounds_n = args.rounds or len(versions)
     gaps = _gaps(args.gap_s)
     count = rounds_n * args.prompts_per_round
-    if args.prompts:
+    if msgs is not None:
+        msgs = list(msgs)[:count]
+    elif args.prompts:
         msgs = read_prompts(args.prompts, count, args.skip, args.tail)
     elif args.quick:
         msgs = [p.messages for p in P.builtin_chat()[args.skip:args.skip + count]]
@@ -595,8 +602,8 @@ def run_bench_rl(args: argparse.Namespace) -> int:
     rows.sort(key=lambda r: ([p.label for p in plan].index(r["label"]), r["order"], r["round"]))
     box = subprocess.run("lscpu | head -15", shell=True, capture_output=True, text=True).stdout
     meta = {"date": args.date or time.strftime("%Y-%m-%d", time.gmtime()),
-            "command": "vllm-onlinespec bench-rl " + " ".join(sys.argv[2:] if len(sys.argv) > 2
-                                                             else []),
+            "command": getattr(args, "command", None) or "vllm-onlinespec bench-rl " + " ".join(
+                sys.argv[2:] if len(sys.argv) > 2 else []),
             "versions": names, "version_folders": versions, "rounds": rounds_n,
             "prompts_per_round": args.prompts_per_round, "n": args.n,
             "max_tokens": args.max_tokens, "gaps": gaps, "push": args.push,

@@ -156,7 +156,7 @@ class Soak:
                         rec.prompt_ids = data.get("prompt_token_ids")
                         rec.token_ids = data["choices"][0].get("token_ids")
                 else:
-                    await self._read_stream(r, rec, drop_after, t_start)
+                    await self._read_stream(r, rec, drop_after)
         except (aiohttp.ClientError, asyncio.TimeoutError, ValueError, KeyError) as e:
             rec.error = f"{type(e).__name__}: {e}"[:300]
         rec.t1 = time.monotonic() - t_start
@@ -166,7 +166,7 @@ class Soak:
             rec.ok = rec.status == 200 and (rec.tokens > 0 or kind == "abort") and not rec.error
         return rec
 
-    async def _read_stream(self, r: Any, rec: Record, drop_after: int, t_start: float) -> None:
+    async def _read_stream(self, r: Any, rec: Record, drop_after: int) -> None:
         chunks, first = 0, None
         async for raw in r.content:
             line = raw.decode().strip()
@@ -243,15 +243,21 @@ class Soak:
 
 
 def swap_target(url: str, folder: str) -> dict:
-    """The worker's in-place target swap through vLLM's dev-mode RPC endpoint
-    (VLLM_SERVER_DEV_MODE=1)."""
+    """The worker's in-place target swap through vLLM's dev-mode endpoints
+    (VLLM_SERVER_DEV_MODE=1), then the prefix cache reset: its K/V came from the old weights
+    (serving/target_swap.py)."""
     req = urllib.request.Request(url + "/collective_rpc", method="POST",
                                  headers={"Content-Type": "application/json"},
                                  data=json.dumps({"method": "onlinespec_swap_target",
                                                   "args": [str(folder)]}).encode())
     with urllib.request.urlopen(req, timeout=600) as r:
         out = json.loads(r.read())["results"][0]
-    return out if isinstance(out, dict) else {"result": out}
+    out = out if isinstance(out, dict) else {"result": out}
+    reset = urllib.request.Request(url + "/reset_prefix_cache?reset_running_requests=true",
+                                   method="POST", data=b"")
+    with urllib.request.urlopen(reset, timeout=600) as r:
+        out["prefix_cache_reset"] = r.status == 200
+    return out
 
 
 def served_digest(url: str) -> str:
@@ -389,7 +395,7 @@ def greedy_reference(records: list[Record], targets: dict[str, str], max_tokens:
     import torch
     from transformers import AutoModelForCausalLM
 
-    out: dict[str, Any] = {"compared": 0, "mismatches": 0, "straddling": 0, "first_mismatch": None}
+    out: dict[str, Any] = {"compared": 0, "mismatches": 0, "straddling": 0, "mismatched": []}
     todo = [r for r in records if r.token_ids is not None and r.prompt_ids]
     out["straddling"] = sum(r.phase == "straddle" for r in todo)
     for phase, folder in targets.items():
@@ -407,9 +413,14 @@ def greedy_reference(records: list[Record], targets: dict[str, str], max_tokens:
                                     max_new_tokens=len(r.token_ids))
                 cache[key] = g[0, ids.shape[1]:].tolist()
             out["compared"] += 1
-            if cache[key] != r.token_ids[:len(cache[key])] or len(cache[key]) != len(r.token_ids):
+            want = cache[key]
+            if want != r.token_ids:
                 out["mismatches"] += 1
-                out["first_mismatch"] = out["first_mismatch"] or {"i": r.i, "phase": phase}
+                at = next((j for j, (a, b) in enumerate(zip(want, r.token_ids)) if a != b),
+                          min(len(want), len(r.token_ids)))
+                out["mismatched"].append({"i": r.i, "kind": r.kind, "phase": phase,
+                                          "t0": round(r.t0, 1), "prompt_tokens": len(r.prompt_ids),
+                                          "first_difference": at})
         del hf
     return out
 
