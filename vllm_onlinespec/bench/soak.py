@@ -56,7 +56,10 @@ QUESTIONS = [
 ]
 METRICS = {"updates": "onlinespec:learner_updates_total", "errors": "onlinespec:learner_errors_total",
            "publishes": "onlinespec:publishes_total", "version": "onlinespec:drafter_version",
-           "hook_errors": "onlinespec:hook_errors_total"}
+           "hook_errors": "onlinespec:hook_errors_total",
+           # the feedback buffer's tokens (target features held for training: bounded by the
+           # preset's buffer.max_tokens, ~9 KB a token in float32 for SmolLM2)
+           "buffer_tokens": "onlinespec:buffer_tokens"}
 
 
 @dataclass
@@ -624,15 +627,16 @@ def markdown(result: dict) -> str:
             f"{k} {v}" for k, v in s["malformed_statuses"].items()) + ".", "",
         "## Per minute", "",
         "| min | served | failed | malformed 4xx | statuses | tok/s | TPOT p50 / p99 ms | "
-        "RSS MB (largest) | updates | publishes | version |",
-        "|---|---|---|---|---|---|---|---|---|---|---|"]
+        "RSS MB (largest) | buffer tokens | updates | publishes | version |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         rss = max(r["rss_mb"].values()) if r["rss_mb"] else float("nan")
         lines.append(
             f"| {r['minute']} | {sum(r['served'].values())} | {sum(r['failed'].values())} | "
             f"{r['malformed_4xx']} | {', '.join(f'{k}: {v}' for k, v in sorted(r['statuses'].items()))} | "
             f"{r['tok_s']} | {_ms(r['tpot_p50_ms'])} / {_ms(r['tpot_p99_ms'])} | {rss:.0f} | "
-            f"{_n(r.get('updates'))} | {_n(r.get('publishes'))} | {_n(r.get('version'))} |")
+            f"{_n(r.get('buffer_tokens'))} | {_n(r.get('updates'))} | {_n(r.get('publishes'))} | "
+            f"{_n(r.get('version'))} |")
     if s["kills"]:
         lines += ["", "## Killed and restarted with the same command", "",
                   "| SIGKILL during | caught there | newest complete checkpoint | resumed | "
@@ -688,8 +692,15 @@ def plot(result: dict, path: Path) -> Path:
     for name in sorted({k for s in samples for k in s["rss_mb"]}):
         pts = [(s["t"] / 60, s["rss_mb"][name]) for s in samples if name in s["rss_mb"]]
         ax[1].plot(*zip(*pts), label=name)
-    ax[1].set(xlabel="minute", ylabel="MB", title="RSS of each vLLM process")
+    ax[1].set(xlabel="minute", ylabel="MB", title="RSS of each vLLM process; feedback buffer (dotted)")
     ax[1].legend(fontsize=7)
+    buf = [(s["t"] / 60, s["metrics"]["buffer_tokens"]) for s in samples
+           if s["metrics"].get("buffer_tokens") is not None]
+    if buf:
+        ax1 = ax[1].twinx()
+        ax1.plot(*zip(*buf), ":", color="black")
+        ax1.set_ylabel("feedback buffer, tokens")
+        ax1.set_ylim(bottom=0)
     t = [s["t"] / 60 for s in samples]
     ax[2].plot(t, [s["metrics"].get("updates", float("nan")) for s in samples], label="updates")
     ax[2].plot(t, [s["metrics"].get("publishes", float("nan")) for s in samples],
