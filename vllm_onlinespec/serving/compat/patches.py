@@ -10,7 +10,9 @@ The general plugin calls `apply_patches()` in every vLLM process. What it instal
                                                                              engine asks for onlinespec
 
 The first three are vLLM correctness fixes that any user of a DFlash or sampling engine on CPU
-needs, so they stay on for everyone. The EngineArgs hook has to see every engine's arguments to
+needs, so they stay on for everyone. The k-norm fix and the EngineArgs hook wait for the module
+they change to be imported (`after_import`): importing vLLM's model modules and arg_utils in the
+plugin cost every vLLM process ~7 s on a 2-vCPU box, mostly in processes that never use them. The EngineArgs hook has to see every engine's arguments to
 notice `additional_config["onlinespec"]`, and changes nothing for the others. The Linear
 plain-weights patch only matters to an engine that republishes draft weights, so it is installed
 by our runner (`drafter.wrap_drafter_load`) in SpecDecodeWorker processes only.
@@ -18,7 +20,10 @@ by our runner (`drafter.wrap_drafter_load`) in SpecDecodeWorker processes only.
 
 from __future__ import annotations
 
+import importlib.abc
 import logging
+import sys
+from typing import Any, Callable
 
 import torch
 
@@ -73,16 +78,58 @@ def _fix_cpu_sampling_defects() -> None:
         cpu_defects.install(type(current_platform))
 
 
+class _AfterImport(importlib.abc.MetaPathFinder):
+    """Runs `fn(module)` right after the module `name` has been executed, whoever imports it
+    and whenever: the finders after this one find it, and its loader's exec_module is wrapped."""
+
+    def __init__(self, name: str, fn: Callable[[Any], None]) -> None:
+        self.name, self.fn = name, fn
+
+    def find_spec(self, fullname: str, path: Any = None, target: Any = None) -> Any:
+        if fullname != self.name:
+            return None
+        for finder in sys.meta_path:
+            if finder is self or not hasattr(finder, "find_spec"):
+                continue
+            spec = finder.find_spec(fullname, path, target)
+            if spec is not None and spec.loader is not None:
+                run, fn = spec.loader.exec_module, self.fn
+
+                def exec_module(module: Any) -> None:
+                    run(module)
+                    fn(module)
+
+                spec.loader.exec_module = exec_module  # this module's own loader instance
+                if self in sys.meta_path:
+                    sys.meta_path.remove(self)
+                return spec
+        return None
+
+
+def after_import(name: str, fn: Callable[[Any], None]) -> None:
+    """fn(module) once `name` is imported: now if it already is, else right after its import."""
+    if name in sys.modules:
+        fn(sys.modules[name])
+    elif not any(isinstance(f, _AfterImport) and f.name == name for f in sys.meta_path):
+        sys.meta_path.insert(0, _AfterImport(name, fn))
+
+
+DFLASH_MODULE = "vllm.model_executor.models.qwen3_dflash"
+
+
 def _fix_dflash_grouped_k_norm() -> None:
     """qwen3_dflash.py:639 normalises all layers' context keys with one `ops.rms_norm` call and
     per-layer weights [L, hd]; the CPU op applies layer 0's weight to every layer (invisible with
-    all-ones fresh weights, 0.75 % error with trained ones). Normalise one layer at a time."""
+    all-ones fresh weights, 0.75 % error with trained ones). Normalise one layer at a time.
+    Installed when vLLM imports its DFlash model (a worker loading a DFlash drafter): importing
+    it here would cost every vLLM process ~4.5 s of model-module imports on a 2-vCPU box."""
     from vllm.platforms import current_platform
 
-    if not current_platform.is_cpu():
-        return
-    from vllm.model_executor.models import qwen3_dflash
+    if current_platform.is_cpu():
+        after_import(DFLASH_MODULE, _patch_k_norm)
 
+
+def _patch_k_norm(qwen3_dflash: Any) -> None:
     ops = qwen3_dflash.ops
 
     def _normalize_context_k(self, all_k: torch.Tensor) -> torch.Tensor:
@@ -98,9 +145,14 @@ def _select_worker_and_validate_config() -> None:
     """`additional_config={"onlinespec": {...}}` alone turns the worker on, and a bad config
     stops start-up in the calling process with one line naming the field, before any engine
     process is spawned (EngineArgs.create_engine_config, arg_utils.py:2205). Engines that do not
-    ask for onlinespec get vLLM's config untouched."""
-    from vllm.engine.arg_utils import EngineArgs
+    ask for onlinespec get vLLM's config untouched. Installed when EngineArgs' module is
+    imported (in the process that builds the engine's config; the engine core and workers,
+    which never import it, are spared its ~2.8 s of imports)."""
+    after_import("vllm.engine.arg_utils", _wrap_create_engine_config)
 
+
+def _wrap_create_engine_config(arg_utils: Any) -> None:
+    EngineArgs = arg_utils.EngineArgs
     if getattr(EngineArgs, "_onlinespec_wrapped", False):
         return
     orig = EngineArgs.create_engine_config
