@@ -781,7 +781,9 @@ def run_soak(args: argparse.Namespace) -> int:
         else "vllm-onlinespec bench-soak", "box": box(), "dtype": dtype,
         "concurrency": args.concurrency, "max_tokens": args.max_tokens,
         "malformed_every": args.malformed_every, "swap_at": args.swap_at,
-        "swap_to": args.swap_to, "server_command": cmd, "startup_s": round(startup, 1),
+        "swap_to": args.swap_to, "startup_s": round(startup, 1),
+        "server_command": [Path(cmd[0]).name] + [c.replace(drafter, "DRAFTER").replace(target, "TARGET")
+                                                  for c in cmd[1:]],
         "stop_exit_code": rc_stop,
         "summary": summary(soak, greedy, kills), "minutes": per_minute(soak),
         "samples": [asdict(s) for s in soak.samples],
