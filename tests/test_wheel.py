@@ -100,7 +100,7 @@ def test_a_short_soak_served_from_the_wheel(installed, smollm2_path, tmp_path):
     pull("smollm2-135m-terse")
     out = tmp_path / "run"
     # Every update publishes and checkpoints: a short run writes checkpoints to kill during.
-    cmd = [sys.executable, "-m", "vllm_onlinespec.cli", "bench-soak", "--duration", "45",
+    cmd = [sys.executable, "-m", "vllm_onlinespec.cli", "bench-soak", "--duration", "60",
            "--concurrency", "3", "--max-tokens", "24", "--max-model-len", "1024",
            "--malformed-every", "4", "--kills", "checkpoint",
            "--online", json.dumps({"publish": {"every_n_updates": 1},
@@ -116,7 +116,7 @@ def test_a_short_soak_served_from_the_wheel(installed, smollm2_path, tmp_path):
     assert s["wellformed"] >= 10
     assert s["swap"]["ok"], s["swap"]
     g = s["greedy"]
-    assert g["compared"] >= 3 and g["mismatches"] == 0, g
+    assert g["compared"] >= 2 and g["mismatches"] == 0, g  # some straddle the swap: not compared
     assert s["learner_errors"] == 0 and s["hook_errors"] == 0
     assert s["publishes"] >= 1 and s["drafter_version"] >= 1, s
     # A checkpoint write may end between seeing it and the kill: the soak tries again (3 times).

@@ -1,7 +1,7 @@
 """Requests OpenAI's API refuses, refused with HTTP 400 and one line naming the problem, where
 vLLM 0.32 serves them: unknown fields (vLLM ignores them, logging at debug level: a misspelt
-`temprature` silently samples at the default) and a chat with no messages (vLLM answers an
-empty conversation). Opt-in, through vLLM's own middleware flag:
+`temprature` silently samples at the default) and a chat with no messages (vLLM's request
+model has no check for one). Opt-in, through vLLM's own middleware flag:
 
     vllm serve ... --middleware vllm_onlinespec.serving.compat.strict_requests.StrictRequests
 
