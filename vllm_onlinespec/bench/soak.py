@@ -245,30 +245,26 @@ class Soak:
         return {k: m.get(name, 0.0) for k, name in METRICS.items()}
 
 
-def swap_target(url: str, folder: str) -> dict:
-    """The worker's in-place target swap through vLLM's dev-mode endpoints
-    (VLLM_SERVER_DEV_MODE=1), then the prefix cache reset: its K/V came from the old weights
-    (serving/target_swap.py)."""
+def rpc(url: str, method: str, *args: str, timeout: float = 600) -> Any:
+    """The first worker's answer to `method` over vLLM's dev-mode /collective_rpc
+    (VLLM_SERVER_DEV_MODE=1)."""
     req = urllib.request.Request(url + "/collective_rpc", method="POST",
                                  headers={"Content-Type": "application/json"},
-                                 data=json.dumps({"method": "onlinespec_swap_target",
-                                                  "args": [str(folder)]}).encode())
-    with urllib.request.urlopen(req, timeout=600) as r:
-        out = json.loads(r.read())["results"][0]
+                                 data=json.dumps({"method": method, "args": list(args)}).encode())
+    with urllib.request.urlopen(req, timeout=timeout) as r:
+        return json.loads(r.read())["results"][0]
+
+
+def swap_target(url: str, folder: str) -> dict:
+    """The worker's in-place target swap, then the prefix cache reset: its K/V came from the
+    old weights (serving/target_swap.py)."""
+    out = rpc(url, "onlinespec_swap_target", str(folder))
     out = out if isinstance(out, dict) else {"result": out}
     reset = urllib.request.Request(url + "/reset_prefix_cache?reset_running_requests=true",
                                    method="POST", data=b"")
     with urllib.request.urlopen(reset, timeout=600) as r:
         out["prefix_cache_reset"] = r.status == 200
     return out
-
-
-def served_digest(url: str) -> str:
-    req = urllib.request.Request(url + "/collective_rpc", method="POST",
-                                 headers={"Content-Type": "application/json"},
-                                 data=json.dumps({"method": "onlinespec_digest"}).encode())
-    with urllib.request.urlopen(req, timeout=60) as r:
-        return str(json.loads(r.read())["results"][0])
 
 
 # -- processes ------------------------------------------------------------------------------------
@@ -499,14 +495,6 @@ def summary(soak: Soak, greedy: dict, kills: list[dict]) -> dict:
 
 # -- kills ----------------------------------------------------------------------------------------
 
-def _rpc_stats(url: str) -> dict:
-    req = urllib.request.Request(url + "/collective_rpc", method="POST",
-                                 headers={"Content-Type": "application/json"},
-                                 data=json.dumps({"method": "onlinespec_stats"}).encode())
-    with urllib.request.urlopen(req, timeout=30) as r:
-        return json.loads(r.read())["results"][0]
-
-
 def _traffic(url: str, stop: Any) -> None:
     """Short greedy requests back to back (feedback for the learner) until stop is set."""
     body = json.dumps({"model": SERVED_NAME, "max_tokens": 24, "temperature": 0.0,
@@ -553,7 +541,7 @@ def kill_and_resume(server: Server, ckpt_dir: Path, moment: str, timeout: float 
                     break
                 time.sleep(0.001)
             else:
-                st = _rpc_stats(server.url).get("learner", {})
+                st = rpc(server.url, "onlinespec_stats", timeout=30).get("learner", {})
                 if st.get("in_update"):
                     server.kill()
                     out["update_ms_ema"] = st.get("update_ms_ema")
@@ -581,7 +569,8 @@ def kill_and_resume(server: Server, ckpt_dir: Path, moment: str, timeout: float 
     if newest is not None:
         state = {k.removeprefix("drafter."): v for k, v in newest.model_state.items()
                  if k.startswith("drafter.")}
-        out["digest_equal"] = served_digest(server.url) == ckpt.state_digest(state)
+        served = str(rpc(server.url, "onlinespec_digest", timeout=60))
+        out["digest_equal"] = served == ckpt.state_digest(state)
     req = urllib.request.Request(server.url + "/v1/chat/completions", headers={
         "Content-Type": "application/json"}, data=json.dumps({
             "model": SERVED_NAME, "max_tokens": 8, "temperature": 0.0,
