@@ -10,7 +10,9 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from vllm_onlinespec.training import data
-from vllm_onlinespec.training.dataset import GenerationPlan, featurize, generate_dataset
+from vllm_onlinespec.training.dataset import (GenerationPlan, StreamedFeatures, featurize,
+                                              generate_dataset, progress_summary)
+from vllm_onlinespec.training.feature_log import FeatureLogWriter
 from vllm_onlinespec.training.features import target_features
 from vllm_onlinespec.training.generate import Sample, chat_ids
 from vllm_onlinespec.training.shards import (MANIFEST, FeatureRow, ShardError, ShardHeader,
@@ -215,6 +217,97 @@ def test_featurize_resumes_after_a_kill(tmp_path, tiny):
     assert sorted(keys) == sorted(x.key for x in samples) and len(keys) == len(set(keys))
     man = json.loads((tmp_path / MANIFEST).read_text())
     assert man["header"]["layer_ids"] == [1]
+
+
+def _stream_run(tmp_path, tiny, folder, *, die_at_call=None, pause=None, log_features=False):
+    """generate_dataset with StreamedFeatures over 24 prompts in chunks of 5 (greedy + 1
+    sampled); the fake engine raises on call `die_at_call`; with `log_features` it also writes
+    a feature log the way the worker does (random features: only their origin is checked)."""
+    ps = [data.Prompt(id=f"p:{i}", source="p", text=f"question {i} " * (1 + i % 3)) for i in range(24)]
+    train, held = data.split_prompts(ps, 0.2, seed=0)
+    (tmp_path / "m").mkdir(exist_ok=True)
+    (tmp_path / "m" / "config.json").write_text("{}")
+    header = ShardHeader(target="t", layer_ids=(0, 2), hidden_size=H * 4)
+    logdir = folder / "feature_log"
+    calls = []
+    inner = _fake_fn([])
+
+    def fn(prompt_ids, spec):
+        calls.append(len(prompt_ids))
+        if die_at_call is not None and len(calls) == die_at_call:
+            raise KeyboardInterrupt  # a kill between chunks
+        out = [[[3 + (t + int(spec.temperature > 0)) % 60 for t in r] for r in rs]
+               for rs in inner(prompt_ids, spec)]  # a sampled answer differs from the greedy one
+        if log_features:
+            w = FeatureLogWriter(logdir, [0, 2], H * 4)
+            for n, (ids, resps) in enumerate(zip(prompt_ids, out)):
+                for j, r in enumerate(resps):
+                    seq = torch.tensor(ids + r[:-1])
+                    w.add(f"{len(calls)}-{n}-{j}", 0, seq, torch.full((len(seq), 2 * H * 4), 7.0),
+                          torch.full((len(seq), H * 4), 7.0))
+            w.close()
+        return out
+
+    stream = StreamedFeatures(folder, header, load_target=lambda: tiny,
+                              feature_log=logdir if log_features else None, pause=pause, poll_s=0.01,
+                              log=lambda m: None)
+    plan = GenerationPlan(max_new_tokens=4, samples=1, chunk_prompts=5)
+    try:
+        return generate_dataset(str(tmp_path / "m"), train, held, plan, tokenizer=_Tok(),
+                                cache_dir=folder / "gen", generate_fn=fn, dtype="float32",
+                                log=lambda m: None, on_chunk=stream), header, calls
+    finally:
+        stream.close()
+
+
+def _shards(folder, header):
+    man = read_manifest(folder)
+    return [[(r.key, r.ids.tolist(), r.start, r.aux.float(), r.final.float())
+             for r in iter_shards(folder, header, info.keys)] for info in man.shards]
+
+
+def test_streamed_generation_resumes_to_the_same_shards(tmp_path, tiny):
+    (tr, he), header, calls = _stream_run(tmp_path, tiny, tmp_path / "whole")
+    assert len(calls) == 1 + 2 * 4  # held-out once, then 4 chunks of the 19 training prompts x 2 rounds
+    with pytest.raises(KeyboardInterrupt):
+        _stream_run(tmp_path, tiny, tmp_path / "cut", die_at_call=4)
+    part = read_manifest(tmp_path / "cut" / "train")
+    assert 0 < len(part.shards) < len(read_manifest(tmp_path / "whole" / "train").shards)
+    (tr2, he2), _, calls2 = _stream_run(tmp_path, tiny, tmp_path / "cut")
+    assert len(calls2) == 9 - 3  # the chunks done before the kill come from the cache
+    assert [x.key for x in tr2] == [x.key for x in tr] and [x.key for x in he2] == [x.key for x in he]
+    for part in ("train", "heldout"):
+        a, b = _shards(tmp_path / "whole" / part, header), _shards(tmp_path / "cut" / part, header)
+        assert len(a) == len(b) and [len(x) for x in a] == [len(x) for x in b]
+        for sa, sb in zip(a, b):
+            for ra, rb in zip(sa, sb):
+                assert ra[:3] == rb[:3]
+                torch.testing.assert_close(ra[3], rb[3], rtol=0, atol=0)
+                torch.testing.assert_close(ra[4], rb[4], rtol=0, atol=0)
+    got = progress_summary(tmp_path / "cut")
+    assert got["train_response_tokens"] == sum(x.response_tokens for x in tr)
+    assert got["generated_tokens"] > 0 and got["tok_s"] > 0
+
+
+def test_streamed_features_come_from_the_log_and_pause_closes_the_engine(tmp_path, tiny):
+    folder = tmp_path / "d"
+    folder.mkdir()
+    (folder / "PAUSE").touch()
+    paused = []
+
+    def pause():  # the engine closes once; the run waits until the file is gone
+        paused.append(1)
+        (folder / "PAUSE").unlink()
+
+    (tr, he), header, calls = _stream_run(tmp_path, tiny, folder, pause=pause, log_features=True)
+    assert paused == [1]
+    rows = list(iter_shards(folder / "train", header))
+    assert {r.key for r in rows} == {x.key for x in tr}
+    # Every row came from the log (features 7.0), none from the HF pass; the log was consumed.
+    assert all(bool((r.aux.float() == 7.0).all()) for r in rows)
+    assert not list((folder / "feature_log").glob("log-*"))
+    prog = [json.loads(x) for x in (folder / "progress.jsonl").read_text().splitlines()]
+    assert sum(r["logged"] for r in prog) == len(tr) + len(he) and sum(r["hf"] for r in prog) == 0
 
 
 def test_follow_up_keeps_split_and_uses_dataset_turn():

@@ -417,7 +417,16 @@ def test_prompt_sources_and_stable_split(tmp_path):
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"question": "x"}\n')
     with pytest.raises(ValueError, match="bad.jsonl:1"):
-        data.load_jsonl(bad)
+        data.load_jsonl(bad)  # nothing usable: an error naming the first bad line
+    # In a file with usable rows, bad ones are skipped and counted, never fatal.
+    mixed = tmp_path / "mixed.jsonl"
+    mixed.write_text('{"prompt": "ok one"}\n{"question": "x"}\nnot json\n{"prompt": "  "}\n'
+                     '[1, 2]\n{"messages": [{"role": "user", "content": "ok two"}]}\n')
+    said: list[str] = []
+    got = data.load_jsonl(mixed, log=said.append)
+    assert [p.text for p in got] == ["ok one", "ok two"]
+    assert len(said) == 1 and "4 rows skipped" in said[0] and "1 unknown chat format" in said[0]
+    assert "1 empty prompt" in said[0] and "1 not JSON" in said[0] and "mixed.jsonl:2" in said[0]
     he = data.load_humaneval()
     assert len(he) == 164 and "def " in he[0].text
 

@@ -71,22 +71,65 @@ def _later_turns(row: dict) -> tuple[str, ...]:
 
 
 def load_jsonl(path: str | os.PathLike, source: str = "jsonl",
-               categories: Sequence[str] | None = None) -> list[Prompt]:
+               categories: Sequence[str] | None = None, log=print) -> list[Prompt]:
     """Prompts from a jsonl file with a `prompt`, `turns` (first turn) or `messages` field per
-    line; `category` and `question_id`/`id` are used when present."""
-    out = []
+    line; `category` and `question_id`/`id` are used when present. A bad row (not JSON, not an
+    object, no user turn in a known chat format, an empty prompt) is skipped and counted, so
+    one odd line in a large file never stops a run; a file with no usable row is an error
+    naming its first bad line."""
+    from vllm_onlinespec.jsonl import iter_jsonl
+
+    out: list[Prompt] = []
+    bad: dict[str, int] = {}
+    first_bad = ""
     wanted = set(categories) if categories else None
-    for n, row in enumerate(_read_jsonl(path), 1):
-        cat = str(row.get("category", ""))
-        if wanted is not None and cat not in wanted:
-            continue
-        text = _first_turn(row, f"{path}:{n}")
-        if not text.strip():
+    p = Path(path)
+    lines = iter_jsonl(p) if p.suffix == ".gz" else _lines_of(p)
+    for n, row in lines:
+        why = ("not JSON" if row is _NOT_JSON else "not an object" if not isinstance(row, dict)
+               else None)
+        text = ""
+        if why is None:
+            cat = str(row.get("category", ""))
+            if wanted is not None and cat not in wanted:
+                continue
+            try:
+                text = _first_turn(row, f"{path}:{n}")
+            except ValueError as e:
+                why, first_bad = "unknown chat format", first_bad or str(e)
+            else:
+                why = None if text.strip() else "empty prompt"
+        if why is not None:
+            bad[why] = bad.get(why, 0) + 1
+            first_bad = first_bad or f"{path}:{n}: {why}"
             continue
         key = row.get("question_id", row.get("id", row.get("task_id", n)))
         out.append(Prompt(id=f"{source}:{key}", source=source, text=text, category=cat,
                           next_turns=_later_turns(row)))
+    if bad:
+        if not out:
+            raise ValueError(first_bad)
+        log(f"prompts {path}: {sum(bad.values())} rows skipped ("
+            + ", ".join(f"{v} {k}" for k, v in sorted(bad.items())) + f"; first: {first_bad})")
     return out
+
+
+_NOT_JSON = object()
+
+
+def _lines_of(path: Path):
+    """(line number, parsed row or _NOT_JSON) for every non-blank line of a text file."""
+    import json
+
+    if not path.is_file():
+        raise ValueError(f"{path}: no such prompt file")
+    with open(path, encoding="utf-8", errors="replace") as f:
+        for n, line in enumerate(f, 1):
+            if line.strip():
+                try:
+                    yield n, json.loads(line)
+                except json.JSONDecodeError:
+                    yield n, _NOT_JSON
 
 
 def load_spec_bench(path: str | os.PathLike, categories: Sequence[str] | None = None) -> list[Prompt]:

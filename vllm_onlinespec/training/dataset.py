@@ -1,6 +1,6 @@
 """Training data at scale: prompts -> several answers each + follow-up turns -> feature shards.
 
-    train prompts --(greedy answers, then n sampled answers, then follow-up turns)-->
+    train prompts --(greedy answers, then follow-up turns, then n sampled answers)-->
         Samples (generation cache, resumable per batch)
     Samples --(HF target, one prompt pass shared by all of its answers)--> shards + manifest
 
@@ -15,9 +15,13 @@ prompts, so generation stops close to it instead of after a whole round.
 
 from __future__ import annotations
 
+import json
+import os
 import random
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 from .data import Prompt, follow_up
 from .generate import GenerateFn, Sample, SamplingSpec, generate
@@ -65,16 +69,27 @@ def response_tokens(samples: Sequence[Sample]) -> int:
     return sum(s.response_tokens for s in samples)
 
 
+# (part "train" / "heldout", round name, the chunk's samples, seconds it took) -> None
+ChunkHook = Callable[[str, str, list[Sample], float], None]
+
+
 def generate_dataset(model_path: str, train: Sequence[Prompt], heldout: Sequence[Prompt],
                      plan: GenerationPlan, *, tokenizer, cache_dir, generate_fn: GenerateFn,
                      dtype: str, token_budget: int | None = None,
-                     log: Callable[[str], None] = print) -> tuple[list[Sample], list[Sample]]:
+                     log: Callable[[str], None] = print,
+                     on_chunk: ChunkHook | None = None) -> tuple[list[Sample], list[Sample]]:
     """(train samples, held-out samples). Training samples stop once `token_budget` response
     tokens are in (checked per chunk of prompts); the prompt order is a seeded shuffle, so a
-    smaller budget takes a prefix of a larger one's prompts and the cache serves both."""
+    smaller budget takes a prefix of a larger one's prompts and the cache serves both.
+    `on_chunk` sees every chunk's samples as soon as they exist (StreamedFeatures writes their
+    features there, so nothing waits for the whole run)."""
     kw = dict(tokenizer=tokenizer, cache_dir=cache_dir, generate_fn=generate_fn, dtype=dtype,
               log=log)
+    hook = on_chunk or (lambda part, name, got, seconds: None)
+    t0 = time.perf_counter()
     held = generate(model_path, list(heldout), plan.greedy(), **kw) if heldout else []
+    if held:
+        hook("heldout", "greedy", held, time.perf_counter() - t0)
     order = list(train)
     random.Random(plan.seed).shuffle(order)
     out: list[Sample] = []
@@ -82,16 +97,19 @@ def generate_dataset(model_path: str, train: Sequence[Prompt], heldout: Sequence
     def full() -> bool:
         return token_budget is not None and response_tokens(out) >= token_budget
 
+    # Follow-up turns before the sampled answers: under a budget, multi-turn text (a kind of
+    # traffic of its own) comes before a second answer to a prompt already answered.
     rounds: list[tuple[str, SamplingSpec | None]] = [("greedy", plan.greedy())]
+    rounds += [(f"follow-up {i + 2}", None) for i in range(plan.followups)]
     if plan.samples:
         rounds.append((f"{plan.samples} sampled", plan.sampled()))
-    rounds += [(f"follow-up {i + 2}", None) for i in range(plan.followups)]
     greedy_text: dict[str, str] = {}
     for name, spec in rounds:
         for s in range(0, len(order), plan.chunk_prompts):
             if full():
                 break
             chunk = order[s:s + plan.chunk_prompts]
+            t0 = time.perf_counter()
             if spec is None:  # a follow-up turn on each prompt's greedy answer
                 idx = int(name.rsplit(" ", 1)[1]) - 2
                 chunk = [follow_up(p, greedy_text[p.id], idx) for p in chunk if p.id in greedy_text]
@@ -103,6 +121,7 @@ def generate_dataset(model_path: str, train: Sequence[Prompt], heldout: Sequence
                     greedy_text[x.prompt_id] = tokenizer.decode(x.ids[x.start:],
                                                                 skip_special_tokens=True)
             out += got
+            hook("train", name, got, time.perf_counter() - t0)
             log(f"data: {name}: {min(s + plan.chunk_prompts, len(order))}/{len(order)} prompts, "
                 f"{response_tokens(out)} training response tokens so far")
         if full():
@@ -191,3 +210,93 @@ def from_feature_log(samples: Sequence[Sample], logged, writer) -> int:
         n += 1
     writer.flush()
     return n
+
+
+class StreamedFeatures:
+    """generate_dataset's `on_chunk`: each chunk's features into its shard folder as soon as the
+    chunk exists, so a run of millions of tokens never holds more than one chunk and an
+    interrupted run loses at most the chunk it was in.
+
+    Per chunk: the rows vLLM logged while generating it (the feature-log files are read, then
+    deleted), the HF target's pass for the rest (answers the generation cache already held),
+    then one shard flush. A run stopped between chunks and rerun with the same command writes
+    the same shards as one never stopped. Between chunks: a progress line (FOLDER/progress.jsonl:
+    response tokens, generation and feature seconds, tokens per second) and the pause file:
+    while FOLDER/PAUSE exists, `pause()` is called once (it closes the engine, freeing the cores
+    and memory for something else) and the run waits; deleting the file resumes it.
+    """
+
+    def __init__(self, folder: str | os.PathLike, header, *, load_target: Callable[[], object],
+                 feature_log: str | os.PathLike | None = None, batch_tokens: int = 8192,
+                 pause: Callable[[], None] | None = None, poll_s: float = 5.0,
+                 log: Callable[[str], None] = print) -> None:
+        from .shards import ShardWriter
+
+        self.folder = Path(folder)
+        self.header = header
+        self.feature_log = Path(feature_log) if feature_log is not None else None
+        self._load_target, self._target = load_target, None
+        self.batch_tokens, self.pause, self.poll_s, self.log = batch_tokens, pause, poll_s, log
+        self.writers = {part: ShardWriter(self.folder / part, header) for part in ("train", "heldout")}
+        self.pause_file = self.folder / "PAUSE"
+
+    def __call__(self, part: str, name: str, got: list[Sample], gen_s: float) -> None:
+        from .feature_log import read_feature_log
+
+        w = self.writers[part]
+        todo = [x for x in got if x.key not in w.done]
+        t0 = time.perf_counter()
+        logged = 0
+        if todo and self.feature_log is not None and self.feature_log.is_dir():
+            files = sorted(self.feature_log.glob("log-*.safetensors"))
+            if files:
+                log = read_feature_log(self.feature_log, list(self.header.layer_ids),
+                                       self.header.hidden_size)
+                logged = from_feature_log(todo, log, w)
+                for f in files:  # consumed: the engine is idle between chunks
+                    f.unlink()
+        rest = [x for x in todo if x.key not in w.done]
+        if rest:
+            if self._target is None:
+                self._target = self._load_target()
+            featurize(self._target, rest, self.header.layer_ids, w, batch_tokens=self.batch_tokens,
+                      desc=f"features {part}")
+        w.flush()
+        feat_s = time.perf_counter() - t0
+        tokens = response_tokens(got)
+        row = {"part": part, "round": name, "samples": len(got), "new": len(todo),
+               "logged": logged, "hf": len(rest), "response_tokens": tokens,
+               "gen_s": round(gen_s, 2), "features_s": round(feat_s, 2),
+               "tok_s": round(tokens / max(gen_s + feat_s, 1e-9), 1) if todo else None,
+               "shard_response_tokens": w.manifest.response_tokens, "time": round(time.time(), 1)}
+        with open(self.folder / "progress.jsonl", "a", encoding="utf-8") as f:
+            f.write(json.dumps(row) + "\n")
+        self.wait_while_paused()
+
+    def wait_while_paused(self) -> None:
+        if not self.pause_file.exists():
+            return
+        self.log(f"data: paused ({self.pause_file} exists; delete it to resume)")
+        if self.pause is not None:
+            self.pause()
+        while self.pause_file.exists():
+            time.sleep(self.poll_s)
+        self.log("data: resumed")
+
+    def close(self) -> None:
+        for w in self.writers.values():
+            w.close()
+
+
+def progress_summary(folder: str | os.PathLike) -> dict:
+    """What FOLDER/progress.jsonl says: response tokens in the training shards, samples, and the
+    rate of the chunks that generated something (tokens per second of generation + features)."""
+    path = Path(folder) / "progress.jsonl"
+    rows = [json.loads(x) for x in path.read_text().splitlines() if x.strip()] if path.is_file() else []
+    made = [r for r in rows if r["new"]]
+    secs = sum(r["gen_s"] + r["features_s"] for r in made)
+    tokens = sum(r["response_tokens"] for r in made)
+    train = [r for r in rows if r["part"] == "train"]
+    return {"chunks": len(rows), "train_response_tokens": train[-1]["shard_response_tokens"] if train else 0,
+            "generated_tokens": tokens, "seconds": round(secs, 1),
+            "tok_s": round(tokens / secs, 1) if secs else None}

@@ -113,8 +113,14 @@ class Generation(_Section):
                            "greedy answer (the dataset's next turn or a generic one)")
     token_budget: int | None = Field(None, ge=1, description="stop generating once this many "
                                      "training response tokens exist")
-    data: str | None = Field(None, description="feature shards (resumable; default OUT/data)",
-                             **_metavar("DIR"))
+    data: str | None = Field(None, description="feature shards, written chunk by chunk while "
+                             "generating (resumable; default OUT/data; DATA/PAUSE pauses a run "
+                             "between chunks with its engine closed, DATA/progress.jsonl has "
+                             "tokens per second)", **_metavar("DIR"))
+    data_only: bool = Field(False, description="stop once the answers and their feature "
+                            "shards exist; the same command without it trains on them")
+    chunk_prompts: int = Field(96, ge=1, description="prompts per generation chunk: the budget, "
+                               "the pause file and progress are checked between chunks")
     max_new_tokens: int = Field(192, ge=1, description="answer length cap")
     gen_dtype: str = Field("bfloat16", description="vLLM dtype for generation")
     features: Literal["hf", "vllm"] = Field(
@@ -307,6 +313,15 @@ RECIPES: dict[str, Recipe] = _checked({
         "(a sampled answer per prompt too) and 3 drafter layers (docs/results/drafter.md)",
         **{**_SCALED, "token_budget": 1_040_000, "layers": 3, "steps": 5900}),
     "smollm2-scaled": _SCALED,
+    "smollm2-10m": Recipe(
+        "ten times smollm2-l3's answer tokens from distinct prompts: `vllm-onlinespec prompts "
+        "build`'s public set (pass it with --prompts; no prompt any benchmark serves as unseen, "
+        "so no Spec-Bench or HumanEval) + self-written user turns; greedy, a follow-up turn and "
+        "a sampled answer per prompt up to 10 M response tokens, float32 generation (the same "
+        "answers on every CPU, so a run resumes on another box); 3 drafter layers",
+        **{**_SCALED, "humaneval": False, "spec_bench": None, "exclude_categories": None,
+           "max_heldout": 256, "token_budget": 10_000_000, "gen_dtype": "float32",
+           "chunk_prompts": 512, "layers": 3, "steps": 20000, "eval_every": 1000}),
     "smollm2-small": Recipe(
         "a quick drafter, 200 prompts x 192 greedy tokens, 1 layer, K = 7: the benchmarks' "
         "starting drafters (bench.cli.recipe_flags; docs/training.md#recipes)",
