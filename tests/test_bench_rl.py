@@ -262,3 +262,32 @@ def test_a_server_between_requests_gives_the_learner_full_share():
         assert ln.share == 0.25 and not session.serving_idle()
     finally:
         ln.stop()
+
+
+def test_idle_only_learner_trains_in_idle_time_and_yields_within_one_step():
+    """pacing.idle_only: no update while serving steps; the idle probe (a server between
+    requests) or a gap (`unthrottled`) starts training; a step arriving stops it at the next
+    update boundary."""
+    ln = _learner({"left": 10**9}, pacing={"learner_cpu_share": 0.25, "share_control": "fixed",
+                                           "idle_only": True})
+    idle = {"now": False}
+    ln.idle_probe = lambda: idle["now"]
+    ln.start()
+    try:
+        time.sleep(0.4)
+        assert ln.updates == 0  # serving steps: the cores are serving's
+        idle["now"] = True
+        time.sleep(0.3)
+        assert ln.updates > 0 and ln.share == 1.0
+        idle["now"] = False  # work arrives
+        time.sleep(0.1)  # an update in flight finishes (each takes well under 0.1 s here)
+        frozen_at = ln.updates
+        time.sleep(0.4)
+        assert ln.updates == frozen_at
+        out = ln.unthrottled(0.3)  # an RL gap
+        assert out["updates"] > 0
+        after = ln.updates
+        time.sleep(0.3)
+        assert ln.updates == after  # the gap is over: idle again only when serving idles
+    finally:
+        ln.stop()

@@ -214,6 +214,11 @@ class PacingConfig(_Section):
         "requests) and the learner trains at full share until the next step (> 0; None = "
         "never); an engine step at batch 1 takes ~0.05-0.1 s on a CPU")
 
+    idle_only: bool = Field(
+        False, description="train only while serving idles (an RL trainer's gap through the "
+        "worker's `onlinespec_idle`, or no engine step for idle_after_s): an update never shares "
+        "the cores with a serving step, except one already running when a step arrives")
+
     @model_validator(mode="after")
     def _min_below_max(self) -> "PacingConfig":
         _check(self.min_cpu_share <= self.learner_cpu_share, f"min_cpu_share "

@@ -279,6 +279,7 @@ def run_rl_demo(args: argparse.Namespace, out: Path) -> int:
         arms=RL_ARMS, prompts_per_round=plan.prompts_per_round, n=plan.n,
         max_tokens=plan.max_tokens, gap_s=f"{plan.gap_s:g}", push="state_dict", orders=2, seed=0,
         preset=DEMO_PRESET, drafter=None, dtype="auto", engine_lock=None, publish=None, date=None,
+        learn_while_rolling=False,
         quick=False, out=str(out),
         command="vllm-onlinespec demo" + (" --quick" if args.quick else ""))
     rc = run_bench_rl(ns, msgs)

@@ -524,6 +524,9 @@ def add_bench_rl_parser(sub: argparse._SubParsersAction) -> None:
       "reversed; 1: as given only")
     a("--seed", type=int, default=0, help="base of the per-prompt seeds")
     a("--preset", default="cpu", help="the settings our arms start from (default cpu)")
+    a("--learn-while-rolling", action="store_true", help="learning arms also train while the "
+      "engine samples, at the preset's share (default: only in the gap and other idle time, "
+      "pacing.idle_only, so a rollout step never shares the cores with an update)")
     a("--drafter", help="DFlash drafter folder (default: the shipped one for version 0's model)")
     a("--dtype", default="auto", help="auto (default), bfloat16 or float32")
     a("--engine-lock", metavar="PATH", help="run each arm's engine under `flock PATH`")
@@ -581,6 +584,12 @@ def run_bench_rl(args: argparse.Namespace, msgs: list[list[dict]] | None = None)
                          drafter=drafter,
                          online=base_settings(args.preset), dtype=dtype,
                          max_tokens=args.max_tokens) for a in arms}
+    if not args.learn_while_rolling:  # the rollout engine's cores are the rollouts' own
+        from vllm_onlinespec.presets import merge
+
+        for sp in specs.values():
+            if sp.learning:
+                sp.onlinespec = merge(sp.onlinespec, {"pacing": {"idle_only": True}})
     plan = units(arms, gaps, lambda a: specs[a].learning)
     print(f"bench-rl: {len(plan)} arm runs x {args.orders} orders, {rounds_n} rounds of "
           f"{args.prompts_per_round} prompts x n={args.n} x {args.max_tokens} tokens; "
@@ -608,6 +617,7 @@ def run_bench_rl(args: argparse.Namespace, msgs: list[list[dict]] | None = None)
             "prompts_per_round": args.prompts_per_round, "n": args.n,
             "max_tokens": args.max_tokens, "gaps": gaps, "push": args.push,
             "arms": [u.label for u in plan], "drafter": drafter, "preset": args.preset,
+            "learn_while_rolling": args.learn_while_rolling,
             "dtype": dtype, "prompts_file": args.prompts, "tail": args.tail, "skip": args.skip,
             "seed": args.seed,
             "orders": args.orders, "wall_s": time.perf_counter() - t0, "box": box,

@@ -215,6 +215,11 @@ class OnlineLearner:
         min_gap = max(cfg.update_interval_s,
                       1.0 / cfg.max_updates_per_s if cfg.max_updates_per_s else 0.0)
         while not self._stop.is_set():
+            if cfg.idle_only and not self._may_take_cores():
+                # Polled: the idle probe has no event; 0.05 s is under one engine step's idle rule
+                self._wake.wait(0.05 if self.idle_probe is not None else self.idle_poll_s)
+                self._wake.clear()
+                continue
             t0 = time.perf_counter()
             try:
                 status = self.sync_step()
@@ -327,10 +332,14 @@ class OnlineLearner:
         except Exception:  # noqa: BLE001 - a broken probe means "not idle", never a dead learner
             return False
 
+    def _may_take_cores(self) -> bool:
+        """Serving leaves the cores now: an RL gap (`unthrottled`) or an idle engine."""
+        return time.monotonic() < self._full_share_until or self._serving_idle()
+
     @property
     def share(self) -> float:
         """Fraction of wall time the learner may be busy now."""
-        if time.monotonic() < self._full_share_until or self._serving_idle():
+        if self._may_take_cores():
             return 1.0
         return self.duty.share if self.duty is not None else self.cfg.pacing.learner_cpu_share
 
