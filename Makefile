@@ -27,14 +27,14 @@ $(STAMP): pyproject.toml Makefile
 
 model: setup
 	$(CLI) model pull smollm2-135m
-	# The demo's served model: the base fine-tuned to terse numbered steps (a LoRA adapter shipped
-	# in the package, merged into the base here; seconds).
+	# The demo's second policy version: the base fine-tuned to terse numbered steps (a LoRA
+	# adapter shipped in the package, merged into the base here; seconds).
 	$(CLI) model pull smollm2-135m-terse
 
-# Online learning where the served model was fine-tuned away from its drafter (the terse-steps
-# variant served with the base model's drafter), two stream orders (~8 min on a 2-vCPU Zen 5;
-# `$(CLI) demo --quick`: a few; `--scenario domain`: the base model on an unseen domain;
-# `--scenario rl`: RL rollouts while the policy changes every round).
+# RL rollouts while the policy changes every round (the base model, then its terse-steps
+# fine-tune pushed in place), the drafter frozen and learning in the trainer's gaps, two orders
+# (~8 min on a 2-vCPU box; `$(CLI) demo --quick`: a few; `--scenario finetuned`: a stream of new
+# prompts to the fine-tuned model; `--scenario domain`: the base model on an unseen domain).
 # It replaces an earlier demo's runs/demo (--force).
 # SPEC_BENCH=path/to/question.jsonl (Spec-Bench's questions, optional) adds its categories.
 SPEC_BENCH ?=

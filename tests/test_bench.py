@@ -404,8 +404,9 @@ def test_rl_demo_runs_bench_rl_with_its_plan_and_writes_the_verdict(tmp_path, mo
     assert ns.versions == ",".join(RL_VERSIONS) and ns.arms == "frozen,online" and ns.orders == 2
     assert (ns.rounds, ns.prompts_per_round, ns.n) == (plan.rounds, plan.prompts_per_round, plan.n)
     assert float(ns.gap_s) == plan.gap_s and len(seen["msgs"]) == plan.rounds * plan.prompts_per_round
-    md = (tmp_path / "rl_rollouts.md").read_text()
-    assert "## Verdict" in md and "verdict: LEARNED" in md
-    assert json.loads((tmp_path / "rl_rollouts.json").read_text())["meta"]["verdict"][-1] \
+    assert ns.learn_while_rolling is False  # the learner trains in idle time only
+    md = (tmp_path / "demo.md").read_text()
+    assert "## Verdict" in md and "verdict: LEARNED" in md and "](demo.png)" in md
+    assert json.loads((tmp_path / "demo.json").read_text())["meta"]["verdict"][-1] \
         .startswith("verdict: LEARNED")
-    assert (tmp_path / "rl_rollouts.png").stat().st_size > 1000
+    assert (tmp_path / "demo.png").stat().st_size > 1000

@@ -1,7 +1,7 @@
 """`vllm-onlinespec demo`: online learning where the served target has moved away from the
 drafter, end to end, on the CPU.
 
-The `rl` scenario is RL rollouts as frameworks drive vLLM (bench/rl.py, `bench-rl`):
+The `rl` scenario (the default) is RL rollouts as frameworks drive vLLM (bench/rl.py, `bench-rl`):
 each round samples n answers per prompt (temperature 1, seeded) from the current policy, the
 trainer's new policy is pushed into the engine in place, and while the trainer works (the gap)
 the learner trains at full share on what the last round verified. Version 0 is SmolLM2-135M-
@@ -11,10 +11,13 @@ Two arms, the `cpu` preset frozen and learning, on the same prompts, seeds and v
 orders (the second reversed); the verdict compares their acceptance over the last half of the
 rounds in every order, and a plot shows acceptance and tok/s per round.
 
-The other scenarios, `finetuned` (the default) and `domain`, serve a stream of new prompts to
-one fixed target:
+The learner trains only in idle time (pacing.idle_only: the gaps), so a rollout step never
+shares the cores with an update.
 
-    1. provision the served target: by default (`--scenario finetuned`) SmolLM2-135M-Instruct
+The other scenarios, `finetuned` and `domain`, serve a stream of new prompts to one fixed
+target:
+
+    1. provision the served target: with `--scenario finetuned` SmolLM2-135M-Instruct
        fine-tuned to answer in terse numbered steps (the package's LoRA adapter, merged on first
        use); `--scenario domain`: the base model itself
     2. the starting DFlash drafter: the one shipped for the base model (trained on the base's
@@ -87,7 +90,7 @@ class DemoPlan:
 
 
 # Sized for the 2-core CPU box: ~9 min full over both stream orders with the shipped drafter
-# (8.9 min on a 2-vCPU Zen 5, docs/results/demo.md), a few minutes quick.
+# (8.9 min on a 2-vCPU Zen 5, docs/results/demo_finetuned.md), a few minutes quick.
 PLANS = {
     "full": DemoPlan(name="full", stream_prompts=64, max_tokens=96, arrivals="closed:4",
                      window_s=20.0),
@@ -102,8 +105,7 @@ SERVE_CATEGORIES = ["math_reasoning"]
 ARMS = ("nospec", "frozen", "online-ogd")
 DEMO_PRESET = "cpu"
 ORDERS = (0, 1)  # stream orders (interleaving seeds); the arms run reversed on the second
-# `rl` becomes the default once a run of it on this box has shipped its figures.
-DEFAULT_SCENARIO = "finetuned"
+DEFAULT_SCENARIO = "rl"  # the headline use: a policy that changes every round
 
 
 @dataclass(frozen=True)
@@ -117,7 +119,7 @@ class RLPlan:
 
 
 # Sized for a 2-vCPU box: 2 arms x 2 orders, each run an engine start (~40 s) and 4 rounds
-# (~15 s of rollouts each; the learning arm also idles the gap); ~9 min in all.
+# (~10-13 s of rollouts each; the learning arm also idles the gap); 7.8 min on a 2-vCPU Zen 3.
 RL_PLANS = {"full": RLPlan(rounds=4, prompts_per_round=4, n=4, max_tokens=48, gap_s=12.0),
             "quick": RLPlan(rounds=2, prompts_per_round=2, n=2, max_tokens=16, gap_s=3.0)}
 RL_VERSIONS = ("smollm2-135m", "smollm2-135m-terse")
@@ -288,7 +290,7 @@ def run_rl_demo(args: argparse.Namespace, out: Path) -> int:
     meta = {**data["meta"], "verdict": lines, "title": (
         f"vllm-onlinespec demo: RL rollouts, policy pushed after round 0 "
         f"({RL_VERSIONS[0]} -> {RL_VERSIONS[1]})")}
-    paths, _ = write_report(data["rows"], out, meta)
+    paths, _ = write_report(data["rows"], out, meta, name="demo")
     print()
     for line in lines:
         print(line)

@@ -441,9 +441,10 @@ def summary_lines(s: dict) -> list[str]:
     return lines
 
 
-def markdown(data: dict) -> list[str]:
+def markdown(data: dict, name: str = RESULT_NAME) -> list[str]:
     s, meta = data["summary"], data["meta"]
     lines = ["# RL rollouts: speculative decoding while the policy changes every round", "",
+             f"![acceptance length and tok/s per round, one line per arm]({name}.png)", "",
              f"- date: {meta.get('date', '')}", f"- command: `{meta['command']}`",
              f"- versions: {', '.join(meta['versions'])}",
              f"- per round: {meta['prompts_per_round']} prompts x n = {meta['n']} samples x "
@@ -472,24 +473,24 @@ def markdown(data: dict) -> list[str]:
     return lines
 
 
-def write_report(rows: list[dict], out: Path, meta: dict,
-                 publish_dir: str | Path | None = None) -> tuple[dict[str, Path], dict]:
-    """<out>/rl_rollouts.{json,md,png} (copied into publish_dir when given); (paths, summary)."""
+def write_report(rows: list[dict], out: Path, meta: dict, publish_dir: str | Path | None = None,
+                 name: str = RESULT_NAME) -> tuple[dict[str, Path], dict]:
+    """<out>/NAME.{json,md,png} (copied into publish_dir when given); (paths, summary)."""
     from vllm_onlinespec.bench.results import write_result_files
 
     data = {"meta": meta, "summary": summarize(rows) if rows else {"arms": {}, "ratios": {}},
             "rows": rows}
-    write_result_files(out, RESULT_NAME, markdown(data), data, publish_dir)
-    paths = {"json": out / f"{RESULT_NAME}.json", "markdown": out / f"{RESULT_NAME}.md"}
+    write_result_files(out, name, markdown(data, name), data, publish_dir)
+    paths = {"json": out / f"{name}.json", "markdown": out / f"{name}.md"}
     if rows:
         title = meta.get("title") or (
             f"RL rollouts: {meta['rounds']} rounds, {meta['prompts_per_round']} prompts x "
             f"n={meta['n']} x {meta['max_tokens']} tok per round")
-        paths["png"] = plot(rows, out / f"{RESULT_NAME}.png", title)
+        paths["png"] = plot(rows, out / f"{name}.png", title)
         if publish_dir is not None:
             import shutil
 
-            shutil.copy(paths["png"], Path(publish_dir) / f"{RESULT_NAME}.png")
+            shutil.copy(paths["png"], Path(publish_dir) / f"{name}.png")
     return paths, data["summary"]
 
 
@@ -616,7 +617,8 @@ def run_bench_rl(args: argparse.Namespace, msgs: list[list[dict]] | None = None)
             "versions": names, "version_folders": versions, "rounds": rounds_n,
             "prompts_per_round": args.prompts_per_round, "n": args.n,
             "max_tokens": args.max_tokens, "gaps": gaps, "push": args.push,
-            "arms": [u.label for u in plan], "drafter": drafter, "preset": args.preset,
+            "arms": [u.label for u in plan], "preset": args.preset,
+            "drafter": args.drafter or f"the shipped drafter for {names[0]}",
             "learn_while_rolling": args.learn_while_rolling,
             "dtype": dtype, "prompts_file": args.prompts, "tail": args.tail, "skip": args.skip,
             "seed": args.seed,
