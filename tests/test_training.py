@@ -291,6 +291,31 @@ def test_feature_scale_folded_into_fc_equals_scaling_the_inputs():
     assert not torch.equal(drafter.fc.weight, folded.fc.weight)  # a copy; the original stays
 
 
+def test_feature_scale_is_applied_when_read_and_samples_whole_sequences(tmp_path):
+    """Normalised features are scaled as batches read them: memory-mapped shards are never
+    rewritten or copied whole; the scale's estimate reads about max_rows rows."""
+    from vllm_onlinespec.training.shards import FeatureRow, ShardHeader, ShardWriter, load_rows
+    from vllm_onlinespec.training.trainer import Example, collate, feature_scale, scale_features
+
+    g = torch.Generator().manual_seed(3)
+    header = ShardHeader(target="t", layer_ids=(0,), hidden_size=8, feature_dtype="float32")
+    w = ShardWriter(tmp_path, header)
+    for i in range(6):
+        w.add(FeatureRow(key=f"k{i}", ids=torch.arange(10), start=2,
+                         aux=torch.randn(10, 8, generator=g) * 5, final=torch.randn(10, 8, generator=g)))
+    w.close()
+    rows = load_rows(tmp_path, header, [f"k{i}" for i in range(6)])
+    ex = [Example(ids=r.ids, start=r.start, aux=r.aux, final=r.final) for r in rows]
+    raw = [e.aux.clone() for e in ex]
+    scale = feature_scale(ex, max_rows=25)  # 3 whole sequences of 10 rows
+    scale_features(ex, scale)
+    assert all(torch.equal(e.aux, r) for e, r in zip(ex, raw))  # stored features untouched
+    batch = collate(ex[:2])
+    torch.testing.assert_close(batch["aux"][1], raw[1] * scale)
+    full = torch.cat(raw).pow(2).mean(0).sqrt()
+    assert not torch.allclose(scale, 1 / full)  # estimated from the 3 sequences, not all 6
+
+
 def test_walk_acceptance_steps_like_serving():
     # a block at 0 accepts 2 -> next anchor 3 accepts 1 -> next 5 has no full window: stop
     assert walk_acceptance([2, 0, 0, 1, 0, -1, 3], 4) == (2, 5)
@@ -368,7 +393,7 @@ def test_tree_miss_anchors_leave_out_what_the_tree_drafts():
     first answer's fresh text is. Training batches anchor only at marked positions."""
     from types import SimpleNamespace
 
-    from vllm_onlinespec.training.trainer import collate
+    from vllm_onlinespec.training.trainer import Example, collate
     from vllm_onlinespec.training.tree_anchors import mark_tree_misses
 
     prompt = [1, 2, 3]
@@ -382,9 +407,8 @@ def test_tree_miss_anchors_leave_out_what_the_tree_drafts():
     assert not first[:2].any() and not first[-1]  # prompt and the last token: never anchors
     assert 0.3 < share < 0.8
     # Batches carry the mask; anchors are drawn only where it (and the response) allows.
-    e = [SimpleNamespace(ids=x.ids, start=x.start, aux=torch.zeros(len(x.ids), 2),
-                         final=torch.zeros(len(x.ids), 2), tgt=None, anchor_ok=x.anchor_ok)
-         for x in ex]
+    e = [Example(ids=x.ids, start=x.start, aux=torch.zeros(len(x.ids), 2),
+                 final=torch.zeros(len(x.ids), 2), anchor_ok=x.anchor_ok) for x in ex]
     batch = collate(e)
     allowed = response_mask(batch["starts"], batch["lengths"], batch["ids"].shape[1]) & batch["anchor_ok"]
     a = sample_anchors(allowed, batch["lengths"], 8, 4, torch.Generator().manual_seed(0))

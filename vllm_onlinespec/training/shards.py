@@ -221,16 +221,41 @@ class ShardWriter:
         self.flush()
 
 
+_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32,
+           "I32": torch.int32, "I64": torch.int64}
+
+
+def _mapped(path: Path) -> tuple[dict, dict[str, Tensor]]:
+    """(metadata, tensors) of a safetensors file, the tensors views of a copy-on-write memory
+    map: nothing is read until used, so ten million tokens of features (~46 GB in bf16) train
+    from disk through the page cache instead of from memory."""
+    import numpy as np
+
+    with open(path, "rb") as f:
+        n = int.from_bytes(f.read(8), "little")
+        head = json.loads(f.read(n))
+    meta = head.pop("__metadata__", None) or {}
+    mm = np.memmap(path, dtype=np.uint8, mode="c", offset=8 + n)
+    out = {}
+    for k, info in head.items():
+        a, b = info["data_offsets"]
+        if info["dtype"] not in _DTYPES or b > mm.shape[0]:
+            raise ValueError(f"tensor {k}: dtype {info['dtype']} or offsets {a}..{b} unusable")
+        out[k] = torch.from_numpy(mm[a:b]).view(_DTYPES[info["dtype"]]).view(info["shape"])
+    return meta, out
+
+
 def read_shard(path: str | os.PathLike, expected: ShardHeader) -> list[FeatureRow]:
-    """All samples of one shard file, checked against `expected`."""
+    """All samples of one shard file, checked against `expected`; the features are views of
+    the file mapped into memory (read when used)."""
     path = Path(path)
     if not path.is_file():
         raise ShardError(f"{path}: missing shard file")
     try:
-        with safe_open(str(path), "pt") as f:
-            meta = f.metadata() or {}
-            t = {k: f.get_tensor(k) for k in ("ids", "aux", "final", "offsets", "starts")}
-    except (SafetensorError, OSError, ValueError, RuntimeError) as e:
+        meta, t = _mapped(path)
+        t = {k: t[k] for k in ("ids", "aux", "final", "offsets", "starts")}
+    except (OSError, ValueError, RuntimeError, KeyError, json.JSONDecodeError,
+            UnicodeDecodeError) as e:
         raise ShardError(f"{path}: corrupt shard ({str(e).splitlines()[0] if str(e) else type(e).__name__})") from None
     if "header" not in meta or "keys" not in meta:
         raise ShardError(f"{path}: not a feature shard (no header)")

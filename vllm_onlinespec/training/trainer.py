@@ -60,6 +60,13 @@ class Example:
     # [T] bool: positions a training block may be anchored at (None: every response position);
     # set by training/tree_anchors.py for `anchors = "tree-miss"`.
     anchor_ok: Tensor | None = None
+    # [n*H] float32 applied to aux when read (normalize_features): the stored features stay as
+    # they are on disk (memory-mapped shards are never copied whole)
+    scale: Tensor | None = None
+
+    def aux_f32(self) -> Tensor:
+        """aux in float32, scaled when a feature scale is set."""
+        return self.aux.float() * self.scale if self.scale is not None else self.aux.float()
 
 
 def load_target(path: str, dtype: str = "float32") -> nn.Module:
@@ -172,7 +179,7 @@ def collate(examples: Sequence[Example]) -> dict[str, Tensor]:
     final = torch.zeros(b, t, examples[0].final.shape[-1])
     for r, e in enumerate(examples):
         n = len(e.ids)
-        ids[r, :n], aux[r, :n], final[r, :n] = e.ids, e.aux.float(), e.final.float()
+        ids[r, :n], aux[r, :n], final[r, :n] = e.ids, e.aux_f32(), e.final.float()
     lengths = torch.tensor([len(e.ids) for e in examples])
     starts = torch.tensor([e.start for e in examples])
     out = {"ids": ids, "aux": aux, "final": final, "lengths": lengths, "starts": starts}
@@ -191,20 +198,26 @@ def collate(examples: Sequence[Example]) -> dict[str, Tensor]:
 # -- feature normalisation, cached labels -----------------------------------------------------------
 
 def feature_scale(examples: Sequence[Example], max_rows: int = 200_000, seed: int = 0) -> Tensor:
-    """1 / RMS of each aux feature dimension over (up to `max_rows` sampled) training rows,
+    """1 / RMS of each aux feature dimension over (about `max_rows` of) the training rows,
     [n*H] float32; a dimension that is always 0 keeps scale 1."""
-    rows = torch.cat([e.aux for e in examples]) if examples else torch.zeros(0)
-    if rows.shape[0] > max_rows:
-        g = torch.Generator().manual_seed(seed)
-        rows = rows[torch.randperm(rows.shape[0], generator=g)[:max_rows]]
+    # Whole sequences in a seeded order until max_rows: never all rows at once (the features of
+    # millions of tokens do not fit in memory).
+    g = torch.Generator().manual_seed(seed)
+    picked, n = [], 0
+    for i in torch.randperm(len(examples), generator=g).tolist():
+        if n >= max_rows:
+            break
+        picked.append(examples[i].aux)
+        n += examples[i].aux.shape[0]
+    rows = torch.cat(picked) if picked else torch.zeros(0)
     rms = rows.float().pow(2).mean(0).sqrt()
     return torch.where(rms > 0, 1.0 / rms, torch.ones_like(rms))
 
 
 def scale_features(examples: Sequence[Example], scale: Tensor) -> None:
-    """aux *= scale in place (the stored dtype)."""
+    """Every example's aux is read scaled from now on (Example.aux_f32)."""
     for e in examples:
-        e.aux = (e.aux.float() * scale).to(e.aux.dtype)
+        e.scale = scale
 
 
 def fold_feature_scale(drafter: DFlashDrafter, scale: Tensor) -> DFlashDrafter:
@@ -430,7 +443,7 @@ def block_accepts(drafter: DFlashDrafter, e: Example, embed_w: Tensor, lm_head_w
     acc: list[int] = []
     for s in range(0, len(pos), chunk):
         anchors = pos[s:s + chunk].view(1, -1)
-        _, st = block_loss(drafter, e.ids.view(1, -1), e.aux.float().unsqueeze(0),
+        _, st = block_loss(drafter, e.ids.view(1, -1), e.aux_f32().unsqueeze(0),
                            e.final.float().unsqueeze(0), anchors, embed_w, lm_head_w,
                            loss_cfg=loss_cfg, lengths=torch.tensor([n]),
                            **_served_vocab(draft_vocab, e.tgt.view(1, -1) if e.tgt is not None
