@@ -224,10 +224,10 @@ def split_prompts(target_path: str, tok, s: TrainSettings, prompts: list):
 
 
 def generate_answers(target_path: str, tok, cfg: TrainSettings, split, data_dir: Path):
-    """(train samples, held-out samples, seconds): the
-    target's answers (cached), with their features logged in the same pass (--features vllm)
-    and written into DATA/train and DATA/heldout chunk by chunk (dataset.StreamedFeatures:
-    resumable, DATA/progress.jsonl, the DATA/PAUSE file)."""
+    """(train samples, held-out samples, seconds): the target's answers (cached), their
+    features logged in the same pass (--features vllm; else the HF target's pass) and written
+    into DATA/train and DATA/heldout chunk by chunk (dataset.StreamedFeatures: resumable,
+    DATA/progress.jsonl, the DATA/PAUSE file)."""
     from .dataset import GenerationPlan, StreamedFeatures, generate_dataset, response_tokens
     from .generate import vllm_generate_fn
     from .trainer import load_target
