@@ -80,7 +80,7 @@ def test_logged_features_equal_the_hf_pass(generated, hf_target):
     assert worst < 1e-3, f"max relative error {worst:.3g}"
 
 
-def test_train_cli_with_features_logged_by_vllm(smollm2_path, tmp_path, capsys):
+def test_train_cli_with_features_logged_by_vllm(smollm2_path, tmp_path):
     """`vllm-onlinespec train --features vllm` end to end: every answer's features come from
     the generation engine's log (no HF pass), and a vLLM-loadable drafter comes out."""
     import json
@@ -96,9 +96,12 @@ def test_train_cli_with_features_logged_by_vllm(smollm2_path, tmp_path, capsys):
                  "--features", "vllm", "--steps", "2", "--max-new-tokens", "16", "--heldout-fraction", "0.5",
                  "--block-size", "3", "--eval-anchors", "2", "--threads", "1",
                  "--gen-cache", str(tmp_path / "gen")]) == 0
-    text = capsys.readouterr().out
     n_train = json.loads((out / "train_meta.json").read_text())["prompts"]["train"]
-    assert f"features train: {n_train} sequences from the vLLM feature log" in text
-    assert "features train: 0 sequences from the vLLM feature log" not in text
-    assert list((out / "data" / "feature_log").glob("log-*.safetensors"))
+    # Streamed per chunk (dataset.StreamedFeatures): every training answer's features from the
+    # engine's log, none from an HF pass, the log files consumed, a rate per chunk.
+    rows = [json.loads(x) for x in (out / "data" / "progress.jsonl").read_text().splitlines()]
+    train = [r for r in rows if r["part"] == "train"]
+    assert sum(r["logged"] for r in train) == n_train and sum(r["hf"] for r in rows) == 0, rows
+    assert all(r["tok_s"] > 0 for r in rows if r["new"]), rows
+    assert not list((out / "data" / "feature_log").glob("log-*.safetensors"))
     assert (out / "config.json").is_file() and (out / "model.safetensors").is_file()
