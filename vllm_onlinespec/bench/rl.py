@@ -614,7 +614,7 @@ def run_bench_rl(args: argparse.Namespace, msgs: list[list[dict]] | None = None)
     meta = {"date": args.date or time.strftime("%Y-%m-%d", time.gmtime()),
             "command": getattr(args, "command", None) or "vllm-onlinespec bench-rl " + " ".join(
                 sys.argv[2:] if len(sys.argv) > 2 else []),
-            "versions": names, "version_folders": versions, "rounds": rounds_n,
+            "versions": names, "rounds": rounds_n,
             "prompts_per_round": args.prompts_per_round, "n": args.n,
             "max_tokens": args.max_tokens, "gaps": gaps, "push": args.push,
             "arms": [u.label for u in plan], "preset": args.preset,
