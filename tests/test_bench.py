@@ -364,6 +364,13 @@ def test_rl_demo_verdict_needs_the_gain_in_every_order_over_the_last_half():
             r["accepted"] += 50
     assert rl_verdict(early)[-1].startswith("verdict: NOT LEARNED")
     assert "failed" in rl_verdict([r for r in _rl_rows({0: 1.9}) if r["arm"] != "online"])[0]
+    # The learner's own paired estimate, when the rows carry it: its last round's, per order.
+    own = _rl_rows({0: 1.9})
+    for r in own:
+        r["learner_gain"] = 0.05 * r["round"] if r["arm"] == "online" else None
+    assert "own paired estimate after the last round: +0.150 accepted draft tokens" in \
+        rl_verdict(own)[0]
+    assert "paired estimate" not in both[0]
 
 
 def test_rl_demo_plan_fits_the_built_in_prompts_and_pushes_a_new_policy():

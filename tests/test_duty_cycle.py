@@ -1,6 +1,7 @@
 """The learner's duty-cycle controller (learner/duty_cycle.py) on synthetic gain sequences:
 it idles when learning buys nothing, runs full while the gain rises, ramps on a drift."""
 
+import math
 import random
 
 import pytest
@@ -89,3 +90,13 @@ def test_a_cold_start_keeps_the_full_share():
     shares2 = feed(dc, [r + d for r, d in zip(ref2, noisy(0.0, 80, sd=0.05, seed=14))], ref2,
                    start=60)
     assert sum(shares2[-40:]) / 40 < 0.2 and "cold start" not in dc.reason, shares2[-40:]
+
+
+def test_mean_gain_is_the_windows_paired_difference():
+    from vllm_onlinespec.learner.duty_cycle import DutyCycle, GainScore
+
+    d = DutyCycle(0.05, 0.5, window=6)
+    assert math.isnan(d.mean_gain)
+    for u, (cur, ref) in enumerate([(1.0, 0.5)] * 3 + [(2.0, 1.0)] * 6):
+        d.observe(GainScore(update=u, current=cur, reference=ref))
+    assert d.mean_gain == pytest.approx(1.0)  # only the last 6 (window) scores count

@@ -245,9 +245,13 @@ def rl_verdict(rows: list[dict]) -> list[str]:
             return ["verdict: an arm failed; see the logs under the output folder"]
         gain = round(on["accept_len"] - fr["accept_len"], 3) + 0.0
         gains.append(gain)
+        own = [r.get("learner_gain") for r in rows if r["label"] == online and r["order"] == o]
+        own_text = (f"; the learner's own paired estimate after the last round: "
+                    f"{own[-1]:+.3f} accepted draft tokens per block over its start weights"
+                    if own and own[-1] is not None else "")
         lines.append(f"last half of the rounds, order {o}: online {on['accept_len']:.3f} vs frozen "
                      f"{fr['accept_len']:.3f} tokens per verify step ({gain:+.3f}); "
-                     f"{on['tok_s']:.1f} vs {fr['tok_s']:.1f} tok/s")
+                     f"{on['tok_s']:.1f} vs {fr['tok_s']:.1f} tok/s{own_text}")
     if not gains:
         return ["verdict: no rounds were served; see the logs under the output folder"]
     low = min(gains)

@@ -25,7 +25,8 @@ Per round and arm: wall_s, tok_s (output tokens / wall_s), accept_len ((accepted
 drafts from vLLM's counters), drafter_accept (accepted tokens per request-step that verified the
 drafter's block: vLLM's counters less the prompt lookup's rows; null for vLLM's arms),
 gate_shut_share (share of the budget's gated steps it shut), learner updates during the round
-and the gap, gap_s_used, push_s. The report (<out>/rl_rollouts.{json,md,png}) gives per arm the
+and the gap, gap_s_used, push_s, learner_gain (the learner's own paired estimate after the gap:
+accepted draft tokens per block, current minus start weights on the same verified text). The report (<out>/rl_rollouts.{json,md,png}) gives per arm the
 median over orders of the last half of the rounds, and online / frozen and online / vllm-suffix.
 
 Prompts: `--prompts FILE` (JSONL, 'prompt', 'question' (GSM8K) or 'messages'), taken in file
@@ -180,6 +181,13 @@ def _delta_ratio(num: float, den: float) -> float | None:
     return num / den if den > 0 else None
 
 
+def learner_gain(st) -> float | None:
+    """The learner's own paired estimate (accepted draft tokens per block, current minus start
+    weights on the same verified text, mean over its scoring window), or None."""
+    g = st.learner.gain_mean if st is not None and st.learner is not None else math.nan
+    return None if g is None or not math.isfinite(g) else round(float(g), 4)
+
+
 def round_row(*, spec: RLArmSpec, rd: Round, wall: float, out_tokens: int, c0: dict, c1: dict,
               st0, st1, ours: bool, gap: dict, push_s: float) -> dict:
     """One round's record from vLLM's counters and the worker's stats before and after."""
@@ -238,9 +246,11 @@ def run_rounds(spec: RLArmSpec) -> dict:
             gap = {"seconds": 0.0, "updates": 0}
             if spec.gap_s > 0 and arm.learning:
                 gap = llm.collective_rpc("onlinespec_idle", args=(spec.gap_s,))[0]
+            st2 = onlinespec_stats(llm, arm) if arm.learning else None  # after the gap's updates
             row = round_row(spec=spec, rd=rd, wall=wall, c0=c0, c1=c1, st0=st0, st1=st1,
                             out_tokens=sum(len(x) for p in toks for x in p), ours=ours, gap=gap,
                             push_s=push_s)
+            row["learner_gain"] = learner_gain(st2)
             res["rows"].append(row)
             res["tokens"].append(toks)
             _save(res, spec.out)

@@ -114,6 +114,14 @@ class DutyCycle:
         self._held = 0  # scores left in the current hold
         self.reason = f"warming up (0/{warmup} scores): full share"
 
+    @property
+    def mean_gain(self) -> float:
+        """Mean gain over the window (accepted draft tokens per block, current minus start
+        weights on the same fresh text); NaN before any score."""
+        if not self.scores:
+            return math.nan
+        return sum(s.gain for s in self.scores) / len(self.scores)
+
     def observe(self, score: GainScore) -> float:
         """One scored batch; returns the share to run at from now on."""
         if not (math.isfinite(score.current) and math.isfinite(score.reference)):

@@ -50,6 +50,9 @@ class LearnerStats:
     share: float = NAN  # fraction of wall time the learner may be busy now (pacing)
     gain_scores: int = 0  # batches scored against the frozen start weights (share_control gain)
     share_reason: str | None = None  # why the share is what it is
+    # Mean over the duty cycle's window of accepted draft tokens per block, current minus start
+    # weights on the same fresh verified text: the learner's own paired estimate of what it won
+    gain_mean: float = NAN
     score_errors: int = 0
     loss: dict[str, float] = field(default_factory=dict)  # the loss function's own statistics
 
