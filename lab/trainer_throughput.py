@@ -10,7 +10,7 @@ step, 8 anchors per sequence, float32) and the dense ones (CE to the target's ar
 once per sequence, up to N anchors per sequence, float32 or bf16 autocast), at 1 and 2
 drafter layers. A row is one labelled draft position (a block's K rows); the figure is rows
 per second of wall time, the context projection and the optimizer step included. Settings run
-interleaved in rounds (round 2 in reverse order) and the median over rounds is reported.
+interleaved in rounds (the second in reverse order) and the median over rounds is reported.
 """
 
 from __future__ import annotations

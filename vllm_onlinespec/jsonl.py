@@ -10,9 +10,10 @@ from typing import Any, Iterator
 
 
 def iter_jsonl(path: str | os.PathLike, error: type[Exception] = ValueError,
-               what: str = "prompt file") -> Iterator[tuple[int, Any]]:
+               what: str = "prompt file", bad_json: Any = None) -> Iterator[tuple[int, Any]]:
     """(1-based line number, parsed row) for every non-blank line. A missing file, bad JSON,
-    or bytes that are not UTF-8 (or a broken .gz) raise `error` in one line."""
+    or bytes that are not UTF-8 (or a broken .gz) raise `error` in one line; with `bad_json`
+    given, a line that is not JSON yields it instead (the caller counts and skips it)."""
     p = Path(path)
     if not p.is_file():
         raise error(f"{p}: no such {what}")
@@ -26,6 +27,9 @@ def iter_jsonl(path: str | os.PathLike, error: type[Exception] = ValueError,
                 try:
                     row = json.loads(line)
                 except json.JSONDecodeError as e:
+                    if bad_json is not None:
+                        yield n, bad_json
+                        continue
                     raise error(f"{p}:{n}: invalid JSON ({e.msg} at column {e.colno})") from None
                 yield n, row
         except (UnicodeDecodeError, OSError, EOFError) as e:

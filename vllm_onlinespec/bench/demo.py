@@ -5,8 +5,9 @@ The `rl` scenario (the default) is RL rollouts as frameworks drive vLLM (bench/r
 each round samples n answers per prompt (temperature 1, seeded) from the current policy, the
 trainer's new policy is pushed into the engine in place, and while the trainer works (the gap)
 the learner trains at full share on what the last round verified. Version 0 is SmolLM2-135M-
-Instruct, the drafter's own target; from round 1 on the policy is its fine-tune to terse numbered
-steps (the package's LoRA adapter, merged on first use): the frozen drafter falls behind it.
+Instruct, the drafter's own target; from the second round on the policy is its fine-tune to
+terse numbered steps (the package's LoRA adapter, merged on first use): the frozen drafter falls
+behind it.
 Two arms, the `cpu` preset frozen and learning, on the same prompts, seeds and versions, two
 orders (the second reversed); the verdict compares their acceptance over the last half of the
 rounds in every order, and a plot shows acceptance and tok/s per round.
@@ -292,7 +293,7 @@ def run_rl_demo(args: argparse.Namespace, out: Path) -> int:
     data = json.loads((out / "rl_rollouts.json").read_text())
     lines = rl_verdict(data["rows"])
     meta = {**data["meta"], "verdict": lines, "title": (
-        f"vllm-onlinespec demo: RL rollouts, policy pushed after round 0 "
+        f"vllm-onlinespec demo: RL rollouts, policy pushed after the first round "
         f"({RL_VERSIONS[0]} -> {RL_VERSIONS[1]})")}
     paths, _ = write_report(data["rows"], out, meta, name="demo")
     print()

@@ -33,7 +33,7 @@ Prompts: `--prompts FILE` (JSONL, 'prompt', 'question' (GSM8K) or 'messages'), t
 order from its last `--tail` rows (default 1000: GSM8K train's served-only slice, which no
 drafter trains on, training/prompt_sets.py GSM8K_SERVED; 0 = the whole file), after `--skip`.
 Expected wall time on a 2-vCPU box (defaults: 8 prompts x n=4 x 64 tokens, 2 versions): 85-160 s
-per arm run (engine start ~40 s, a round 22-36 s, a push 1-5 s, the gaps), so ~20 min for the
+per arm run (engine start ~40 s, 22-36 s per round, a push 1-5 s, the gaps), so ~20 min for the
 default 5 arms x 2 orders (measured: 4 arms with gaps 0,20 = 5 runs x 2 orders, 20 min); each
 further gap adds the learning arms again plus R x gap seconds each; `--quick` (2 prompts x n=2
 x 16 tokens, arms nospec,online, both orders) ~5 min.

@@ -70,6 +70,9 @@ def _later_turns(row: dict) -> tuple[str, ...]:
     return ()
 
 
+_NOT_JSON = object()  # what iter_jsonl yields for a line that is not JSON
+
+
 def load_jsonl(path: str | os.PathLike, source: str = "jsonl",
                categories: Sequence[str] | None = None, log=print) -> list[Prompt]:
     """Prompts from a jsonl file with a `prompt`, `turns` (first turn) or `messages` field per
@@ -83,9 +86,7 @@ def load_jsonl(path: str | os.PathLike, source: str = "jsonl",
     bad: dict[str, int] = {}
     first_bad = ""
     wanted = set(categories) if categories else None
-    p = Path(path)
-    lines = iter_jsonl(p) if p.suffix == ".gz" else _lines_of(p)
-    for n, row in lines:
+    for n, row in iter_jsonl(path, bad_json=_NOT_JSON):
         why = ("not JSON" if row is _NOT_JSON else "not an object" if not isinstance(row, dict)
                else None)
         text = ""
@@ -113,23 +114,6 @@ def load_jsonl(path: str | os.PathLike, source: str = "jsonl",
             + ", ".join(f"{v} {k}" for k, v in sorted(bad.items())) + f"; first: {first_bad})")
     return out
 
-
-_NOT_JSON = object()
-
-
-def _lines_of(path: Path):
-    """(line number, parsed row or _NOT_JSON) for every non-blank line of a text file."""
-    import json
-
-    if not path.is_file():
-        raise ValueError(f"{path}: no such prompt file")
-    with open(path, encoding="utf-8", errors="replace") as f:
-        for n, line in enumerate(f, 1):
-            if line.strip():
-                try:
-                    yield n, json.loads(line)
-                except json.JSONDecodeError:
-                    yield n, _NOT_JSON
 
 
 def load_spec_bench(path: str | os.PathLike, categories: Sequence[str] | None = None) -> list[Prompt]:
