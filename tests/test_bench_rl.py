@@ -39,6 +39,16 @@ def test_every_arm_gets_the_same_rounds_and_the_orders_reverse():
     assert a == b  # a pure function of the prompts and settings: the same for every arm
 
 
+def test_versions_expand_a_series_to_its_base_and_every_checkpoint():
+    from vllm_onlinespec.bench.rl import version_names
+    from vllm_onlinespec.models import DRIFT, DRIFT_VERSIONS
+
+    assert version_names("smollm2-135m, smollm2-135m-terse") == ["smollm2-135m", "smollm2-135m-terse"]
+    names = version_names(DRIFT)
+    assert names == ["smollm2-135m"] + [f"{DRIFT}-v{k}" for k in range(1, DRIFT_VERSIONS + 1)]
+    assert version_names(f"{DRIFT},/some/folder")[-1] == "/some/folder"
+
+
 def test_read_prompts_takes_question_prompt_or_messages(tmp_path):
     f = tmp_path / "p.jsonl"
     f.write_text("\n".join(json.dumps(r) for r in [

@@ -518,7 +518,9 @@ def add_bench_rl_parser(sub: argparse._SubParsersAction) -> None:
       "on; 0 = the whole file)")
     a("--skip", type=int, default=0, help="then skip this many rows first (default 0)")
     a("--versions", default="smollm2-135m,smollm2-135m-terse",
-      help="comma-separated policy versions (known model names or HF folders), version 0 first")
+      help="comma-separated policy versions (known model names or HF folders), version 0 first; "
+      "a series name stands for its base and every version (smollm2-135m-drift: the base, "
+      "then 8 checkpoints of an SFT toward GSM8K's worked solutions)")
     a("--rounds", type=int, help="rollout rounds (default: the number of versions; round r "
       "serves version min(r, last))")
     a("--arms", default=DEFAULT_ARMS, help=f"comma-separated arms (default {DEFAULT_ARMS})")
@@ -559,6 +561,14 @@ def _gaps(text: str) -> list[float]:
     return gaps
 
 
+def version_names(spec: str) -> list[str]:
+    """--versions: comma-separated names, a series name expanded to its base and versions."""
+    from vllm_onlinespec.models import SERIES, series_members
+
+    return [m for x in spec.split(",") if x.strip()
+            for m in (series_members(x.strip()) if x.strip() in SERIES else [x.strip()])]
+
+
 def run_bench_rl(args: argparse.Namespace, msgs: list[list[dict]] | None = None) -> int:
     """The verb; `msgs` (chat messages, at least rounds x prompts_per_round) replace --prompts
     (the demo serves its own)."""
@@ -573,7 +583,7 @@ def run_bench_rl(args: argparse.Namespace, msgs: list[list[dict]] | None = None)
             args.arms = "nospec,online"
     t0 = time.perf_counter()
     out = Path(args.out)
-    names = [x.strip() for x in args.versions.split(",") if x.strip()]
+    names = version_names(args.versions)
     versions = [resolve(v) for v in names]
     rounds_n = args.rounds or len(versions)
     gaps = _gaps(args.gap_s)
