@@ -30,7 +30,6 @@ from pathlib import Path
 
 from hybrid_ceiling import accepted_run, ratio_se, tree_accepts, walk_policies
 
-DATE = "2026-12-05"
 
 
 def load_prompts(path: Path, tail: int = 0, limit: int = 0) -> list[dict]:
@@ -169,7 +168,7 @@ def page(rows: list[dict], manifest: dict, args, wall_s: float, box_name: str) -
         style_col, style_doc = "numbered_share", "share of answers that start with a numbered step"
     lines = [
         "# A policy that drifts: the shipped drafter's acceptance along a real fine-tune", "",
-        f"{DATE}, {box_name}. Made by `lab/policy_drift.py` (offline, HF transformers float32, "
+        f"{args.date}, {box_name}. Made by `lab/policy_drift.py` (offline, HF transformers float32, "
         "no vLLM engine).", "",
         f"The target: SmolLM2-135M-Instruct along one LoRA fine-tune {target} "
         f"(training/variant.py, run as a trajectory by training/drift.py): "
@@ -216,8 +215,19 @@ def page(rows: list[dict], manifest: dict, args, wall_s: float, box_name: str) -
               f"drafts per step {base['walk_accept'] - 1:.3f} -> {last['walk_accept'] - 1:.3f}, "
               f"{drafted:+.0%}); {ups} of {len(rows) - 1} consecutive versions rise instead of "
               "falling."]
-    lines += [f"- Wall time: this evaluation {wall_s / 60:.0f} min ({args.threads} torch thread, "
-              "nice 10, on a box shared with other jobs); the trajectory: "
+    peak = max(rows, key=lambda r: r["walk_accept_tree"])
+    tail = [r for r in rows if r["version"] > peak["version"]]
+    if tail:
+        falls = sum(b["walk_accept_tree"] < a["walk_accept_tree"]
+                    for a, b in zip([peak] + tail, tail))
+        lines.append(
+            f"- With the suffix tree first (what the preset drafts): {base['walk_accept_tree']:.3f} "
+            f"at version 0, the peak {peak['walk_accept_tree']:.3f} at version {peak['version']}, "
+            f"{last['walk_accept_tree']:.3f} at version {last['version']} "
+            f"({last['walk_accept_tree'] / peak['walk_accept_tree'] - 1:+.0%} from the peak; "
+            f"{falls} of {len(tail)} later versions below the one before).")
+    lines += [f"- Wall time: this evaluation {wall_s / 60:.0f} min (the versions' own times "
+              f"summed, {args.threads} torch threads); the trajectory: "
               f"{args.recipe_note or 'see the recipe command'}."]
     return "\n".join(lines) + "\n"
 
@@ -235,6 +245,9 @@ def main() -> int:
                     "(1000 for GSM8K train: the served slice no trajectory trains on)")
     ap.add_argument("--limit", type=int, default=0, help="the first N of those (0: all)")
     ap.add_argument("--versions", type=int, nargs="*", default=None)
+    ap.add_argument("--prompts-as", default=None, help="how the page names --prompts "
+                    "(e.g. $GSM8K_TRAIN: no machine paths in a published page)")
+    ap.add_argument("--out-label", default=None, help="how the page names --out")
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--suffix-tree", type=float, default=1.0, metavar="MIN_SCORE")
     ap.add_argument("--threads", type=int, default=1)
@@ -242,6 +255,8 @@ def main() -> int:
     ap.add_argument("--recipe-note", default="", help="the trajectory's command and wall time, "
                     "for the page")
     ap.add_argument("--out", default=None, help="folder for policy_drift.{json,md}")
+    ap.add_argument("--date", default=time.strftime("%Y-%m-%d", time.gmtime()),
+                    help="date for the page (default: today, UTC)")
     args = ap.parse_args()
 
     import torch
@@ -251,7 +266,6 @@ def main() -> int:
     from vllm_onlinespec.training.drift import read_trajectory, version_adapters
 
     torch.set_num_threads(args.threads)
-    t0 = time.time()
     traj = Path(args.trajectory) if args.trajectory else (
         Path(models.shipped_adapter(models.KNOWN_MODELS[f"{models.DRIFT}-v1"])).parent / models.DRIFT)
     manifest = read_trajectory(traj)
@@ -293,23 +307,23 @@ def main() -> int:
         r["walk_accept_lookup"], r["walk_accept_lookup_se"] = lookup_walk(heads, r["answers"], r["K"])
         r["same_as_base"] = (round(sum(accepted_run(a, b) for a, b in zip(r["answers"], ref))
                                    / len(ref), 1) if ref else float("nan"))
-    wall = time.time() - t0
-    args.command = ("python lab/policy_drift.py --out " + (args.out or "OUT")
+    wall = sum(r["eval_s"] for r in rows)  # resumed versions keep their own times
+    args.command = ("python lab/policy_drift.py --out " + (args.out_label or args.out or "OUT")
                     + "".join(f" --{k} {v}" for k, v in (("trajectory", args.trajectory),
                                                         ("drafter", args.drafter),
-                                                        ("prompts", args.prompts),
+                                                        ("prompts", args.prompts_as or args.prompts),
                                                         ("tail", args.tail),
                                                         ("limit", args.limit)) if v)
                     + (f" --versions {' '.join(map(str, args.versions))}" if args.versions else "")
                     + f" --max-tokens {args.max_tokens} --threads {args.threads}"
-                    + (f" --work {args.work}" if args.work else ""))
+                    + (" --work WORK" if args.work else ""))
     if args.out:
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
         keep = [{c: v for c, v in r.items() if c != "answers"} for r in rows]
         box_name = box()
         (out / "policy_drift.json").write_text(json.dumps(
-            {"date": DATE, "box": box_name, "command": args.command, "wall_s": round(wall),
+            {"date": args.date, "box": box_name, "command": args.command, "wall_s": round(wall),
              "recipe_note": args.recipe_note, "drafter": args.drafter_label,
              "prompts": len(prompts), "max_tokens": args.max_tokens,
              "suffix_min_score": args.suffix_tree, "trajectory": manifest["recipe"],
