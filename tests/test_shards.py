@@ -49,6 +49,82 @@ def test_round_trip(tmp_path):
         load_rows(tmp_path, HEADER, ["k0", "nope"])
 
 
+def test_fp8_shards_halve_the_bytes_and_read_back_within_fp8_precision(tmp_path):
+    """float8_e4m3fn: each token's features per layer scaled by their own max, so a layer of
+    large activations (x 300 here) does not crush the others; read back lazily (slices stay
+    fp8 until float()), within FP8's 2^-4 relative step of the max; training reads them as
+    tensors (feature scale, padded batches, target labels)."""
+    from vllm_onlinespec.training.blocks import target_argmax
+    from vllm_onlinespec.training.shards import ScaledFeatures
+    from vllm_onlinespec.training.trainer import Example, collate, feature_scale
+
+    H = 64
+    bf16 = ShardHeader(target="abc123", layer_ids=(0, 2), hidden_size=H)
+    fp8 = ShardHeader(target="abc123", layer_ids=(0, 2), hidden_size=H, feature_dtype="float8_e4m3fn")
+    rows = []
+    for i in range(3):
+        g = torch.Generator().manual_seed(i)
+        rows.append(FeatureRow(key=f"k{i}", ids=torch.randint(0, 100, (4 + i,), generator=g),
+                               start=2, aux=torch.randn(4 + i, 2 * H, generator=g).bfloat16(),
+                               final=torch.randn(4 + i, H, generator=g).bfloat16()))
+        rows[-1].aux[:, :H] *= 300  # the first layer's features 300x larger
+    for folder, header in ((tmp_path / "bf16", bf16), (tmp_path / "fp8", fp8)):
+        w = ShardWriter(folder, header, samples_per_shard=8)
+        for r in rows:
+            w.add(r)
+        w.close()
+    size = {f: sum(p.stat().st_size for p in (tmp_path / f).glob("shard-*")) for f in ("bf16", "fp8")}
+    assert size["fp8"] < 0.8 * size["bf16"], size  # features half; ids, offsets and headers not
+    got = list(iter_shards(tmp_path / "fp8", fp8))
+    for g, r in zip(got, rows):
+        assert isinstance(g.aux, ScaledFeatures) and g.aux.data.dtype == torch.float8_e4m3fn
+        assert torch.equal(g.ids, r.ids) and g.aux.shape == r.aux.shape
+        for part in (slice(0, H), slice(H, 2 * H)):  # each layer within 2^-4 of its own max
+            ref, back = r.aux[:, part].float(), g.aux.float()[:, part]
+            assert ((back - ref).abs().amax(1) <= ref.abs().amax(1) / 16 + 1e-6).all()
+        assert ((g.final.float() - r.final.float()).abs().amax(1)
+                <= r.final.float().abs().amax(1) / 16 + 1e-6).all()
+        assert torch.equal(g.aux[1:3].float(), g.aux.float()[1:3])
+    ex = [Example(ids=g.ids, start=g.start, aux=g.aux, final=g.final) for g in got]
+    assert feature_scale(ex).shape == (2 * H,)
+    batch = collate(ex)
+    assert torch.equal(batch["final"][0, :len(ex[0].ids)], ex[0].final.float())
+    w_head = torch.randn(50, H)
+    assert target_argmax(ex[1].final[1:], w_head).shape == (len(ex[1].ids) - 1,)
+    with pytest.raises(ShardError, match="feature dtype must be one of"):
+        ShardWriter(tmp_path / "x", ShardHeader(target="a", layer_ids=(0,), hidden_size=H,
+                                                feature_dtype="int8"))
+    with pytest.raises(ShardError, match="shard of other features|written for other features"):
+        list(iter_shards(tmp_path / "fp8", bf16))
+
+
+def test_convert_moves_a_folder_to_fp8_shard_by_shard_and_resumes(tmp_path):
+    from vllm_onlinespec.training.shards import convert
+
+    w = ShardWriter(tmp_path / "src", HEADER, samples_per_shard=2)
+    rows = [_row(i, n=3 + i) for i in range(5)]
+    for r in rows:
+        w.add(r)
+    w.close()
+    man = convert(tmp_path / "src", tmp_path / "dst", "float8_e4m3fn")
+    assert man.header.feature_dtype == "float8_e4m3fn"
+    assert [s.keys for s in man.shards] == [s.keys for s in read_manifest(tmp_path / "src").shards]
+    fp8 = man.header
+    got = list(iter_shards(tmp_path / "dst", fp8))
+    assert [g.key for g in got] == [r.key for r in rows]
+    for g, r in zip(got, rows):
+        assert torch.equal(g.ids, r.ids)
+        assert torch.allclose(g.final.float(), r.final.float(), rtol=0.07, atol=1e-2)
+    # a conversion killed after its first shard: the rerun writes only the rest
+    (tmp_path / "dst" / "shard-00002.safetensors").unlink()
+    m = read_manifest(tmp_path / "dst")
+    m.shards = m.shards[:1]
+    (tmp_path / "dst" / MANIFEST).write_text(json.dumps(m.to_json()))
+    again = convert(tmp_path / "src", tmp_path / "dst", "float8_e4m3fn")
+    assert [s.keys for s in again.shards] == [s.keys for s in man.shards]
+    assert [g.key for g in iter_shards(tmp_path / "dst", fp8)] == [r.key for r in rows]
+
+
 def test_resume_after_kill_no_duplicates(tmp_path):
     w = ShardWriter(tmp_path, HEADER, samples_per_shard=2)
     for i in range(3):  # 2 flushed into shard 0, the 3rd still pending when the run "dies"

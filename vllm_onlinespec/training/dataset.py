@@ -152,7 +152,7 @@ def featurize(target, samples: Sequence[Sample], layer_ids: Sequence[int], write
     from tqdm.auto import tqdm
 
     from .features import shared_prefix_features
-    from .shards import FeatureRow
+    from .shards import FeatureRow, row_dtype
     from .trainer import extract_features
 
     todo = [s for s in samples if s.key not in writer.done]
@@ -164,7 +164,7 @@ def featurize(target, samples: Sequence[Sample], layer_ids: Sequence[int], write
     total = sum(len(g[0].ids[:g[0].start]) + sum(x.response_tokens for x in g) for g in shared)
     total += sum(len(s.ids) for s in singles)
     bar = tqdm(total=total, desc=desc, unit="tok", leave=False)
-    fdtype = getattr(torch, writer.manifest.header.feature_dtype)
+    fdtype = row_dtype(writer.manifest.header.feature_dtype)
     for g in shared:
         # Bound the continuation batch: n x longest answer tokens per forward.
         per = max(1, batch_tokens // max(x.response_tokens for x in g))
@@ -195,9 +195,9 @@ def from_feature_log(samples: Sequence[Sample], logged, writer) -> int:
     import torch
 
     from .feature_log import ids_key
-    from .shards import FeatureRow
+    from .shards import FeatureRow, row_dtype
 
-    fdtype = getattr(torch, writer.manifest.header.feature_dtype)
+    fdtype = row_dtype(writer.manifest.header.feature_dtype)
     n = 0
     for x in samples:
         if x.key in writer.done or len(x.ids) - 1 <= x.start:

@@ -4,7 +4,9 @@
     DIR/shard-00000.safetensors
         ids [N] int32, aux [N, n*H], final [N, H] (feature dtype), offsets [S+1] int64,
         starts [S] int64 - S samples concatenated; metadata: the same header as the manifest
-        plus the samples' keys (JSON)
+        plus the samples' keys (JSON). With feature dtype float8_e4m3fn also aux_scale [N, n]
+        and final_scale [N, 1] float32: each token's features per layer stored as
+        fp8(x / scale), scale = max|x| / 448 (FP8), half of bf16's bytes
 
 Why this layout: one safetensors file per shard is read with one mmap and no pickle; the
 manifest is rewritten atomically after each shard is complete, so a killed run leaves either a
@@ -33,6 +35,56 @@ from torch import Tensor
 
 FORMAT = "vllm-onlinespec-features/1"
 MANIFEST = "manifest.json"
+FP8 = "float8_e4m3fn"
+_FP8_MAX = 448.0  # largest finite float8_e4m3fn
+FEATURE_DTYPES = ("bfloat16", "float16", "float32", FP8)
+
+
+def row_dtype(feature_dtype: str) -> torch.dtype:
+    """The dtype rows are handed to a ShardWriter in: the stored dtype, or bfloat16 where the
+    writer quantizes (fp8 needs the scale it computes per row)."""
+    if feature_dtype not in FEATURE_DTYPES:
+        raise ShardError(f"feature dtype must be one of {', '.join(FEATURE_DTYPES)}, not "
+                         f"{feature_dtype!r}")
+    return torch.bfloat16 if feature_dtype == FP8 else getattr(torch, feature_dtype)
+
+
+def fp8_encode(x: Tensor, groups: int) -> tuple[Tensor, Tensor]:
+    """[N, F] -> (fp8 [N, F], float32 scales [N, groups]): each row's `groups` equal column
+    groups (one per target layer) scaled to FP8's range by their own max |x|."""
+    n, f = x.shape
+    g = x.float().view(n, groups, f // groups)
+    scale = g.abs().amax(-1, keepdim=True).clamp_min(1e-12) / _FP8_MAX
+    return (g / scale).to(torch.float8_e4m3fn).view(n, f), scale.squeeze(-1)
+
+
+class ScaledFeatures:
+    """fp8 features with their per-row, per-group scales, read as a float tensor when used:
+    rows slice lazily, so a memory-mapped shard is never decoded whole. Quacks like the
+    [T, F] tensor it stands for where training reads features (shape, rows, float(), to())."""
+
+    def __init__(self, data: Tensor, scale: Tensor) -> None:
+        self.data, self.scale = data, scale
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.data.shape
+
+    def __len__(self) -> int:
+        return self.data.shape[0]
+
+    def __getitem__(self, rows) -> "ScaledFeatures":
+        if not isinstance(rows, slice):
+            raise TypeError("fp8 features slice by rows only")
+        return ScaledFeatures(self.data[rows], self.scale[rows])
+
+    def float(self) -> Tensor:
+        n, f = self.data.shape
+        g = self.scale.shape[1]
+        return (self.data.float().view(n, g, f // g) * self.scale.unsqueeze(-1)).view(n, f)
+
+    def to(self, dtype: torch.dtype) -> Tensor:
+        return self.float().to(dtype)
 
 
 class ShardError(ValueError):
@@ -87,8 +139,8 @@ class FeatureRow:
     key: str
     ids: Tensor  # [T] int64
     start: int
-    aux: Tensor  # [T, n*H]
-    final: Tensor  # [T, H]
+    aux: Tensor | ScaledFeatures  # [T, n*H]
+    final: Tensor | ScaledFeatures  # [T, H]
 
 
 @dataclass
@@ -157,6 +209,7 @@ class ShardWriter:
 
     def __init__(self, folder: str | os.PathLike, header: ShardHeader,
                  samples_per_shard: int = 256) -> None:
+        row_dtype(header.feature_dtype)  # an unknown dtype fails here, in one line
         self.folder = Path(folder)
         self.folder.mkdir(parents=True, exist_ok=True)
         self.samples_per_shard = samples_per_shard
@@ -164,8 +217,10 @@ class ShardWriter:
             self.manifest = read_manifest(self.folder)
             why = header.mismatch(self.manifest.header)
             if why:
+                hint = ("; convert it: python -m vllm_onlinespec.training.shards convert SRC DST "
+                        f"{header.feature_dtype}" if why.startswith("feature_dtype") else "")
                 raise ShardError(f"{self.folder / MANIFEST}: written for other features ({why}); "
-                                 f"use another folder or delete it")
+                                 f"use another folder or delete it{hint}")
         else:
             self.manifest = Manifest(header=header)
             self._save_manifest()
@@ -189,17 +244,22 @@ class ShardWriter:
         rows, self._pending = self._pending, []
         name = f"shard-{len(self.manifest.shards):05d}.safetensors"
         h = self.manifest.header
-        dtype = getattr(torch, h.feature_dtype)
         lengths = [len(r.ids) for r in rows]
         offsets = torch.zeros(len(rows) + 1, dtype=torch.int64)
         offsets[1:] = torch.tensor(lengths).cumsum(0)
         tensors = {
             "ids": torch.cat([r.ids for r in rows]).to(torch.int32),
-            "aux": torch.cat([r.aux for r in rows]).to(dtype).contiguous(),
-            "final": torch.cat([r.final for r in rows]).to(dtype).contiguous(),
             "offsets": offsets,
             "starts": torch.tensor([r.start for r in rows], dtype=torch.int64),
         }
+        aux = torch.cat([_dense(r.aux) for r in rows])
+        final = torch.cat([_dense(r.final) for r in rows])
+        if h.feature_dtype == FP8:
+            tensors["aux"], tensors["aux_scale"] = fp8_encode(aux, len(h.layer_ids))
+            tensors["final"], tensors["final_scale"] = fp8_encode(final, 1)
+        else:
+            dtype = getattr(torch, h.feature_dtype)
+            tensors["aux"], tensors["final"] = aux.to(dtype).contiguous(), final.to(dtype).contiguous()
         keys = [r.key for r in rows]
         meta = {"header": json.dumps(h.to_json()), "keys": json.dumps(keys)}
         fd, tmp = tempfile.mkstemp(prefix=f".{name}.", dir=self.folder)
@@ -222,7 +282,11 @@ class ShardWriter:
 
 
 _DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32,
-           "I32": torch.int32, "I64": torch.int64}
+           "I32": torch.int32, "I64": torch.int64, "F8_E4M3": torch.float8_e4m3fn}
+
+
+def _dense(x: Tensor | ScaledFeatures) -> Tensor:
+    return x.float() if isinstance(x, ScaledFeatures) else x
 
 
 def _mapped(path: Path) -> tuple[dict, dict[str, Tensor]]:
@@ -253,7 +317,6 @@ def read_shard(path: str | os.PathLike, expected: ShardHeader) -> list[FeatureRo
         raise ShardError(f"{path}: missing shard file")
     try:
         meta, t = _mapped(path)
-        t = {k: t[k] for k in ("ids", "aux", "final", "offsets", "starts")}
     except (OSError, ValueError, RuntimeError, KeyError, json.JSONDecodeError,
             UnicodeDecodeError) as e:
         raise ShardError(f"{path}: corrupt shard ({str(e).splitlines()[0] if str(e) else type(e).__name__})") from None
@@ -267,17 +330,26 @@ def read_shard(path: str | os.PathLike, expected: ShardHeader) -> list[FeatureRo
     why = expected.mismatch(header)
     if why:
         raise ShardError(f"{path}: shard of other features ({why})")
+    need = ("ids", "aux", "final", "offsets", "starts") + (
+        ("aux_scale", "final_scale") if header.feature_dtype == FP8 else ())
+    if any(k not in t for k in need):
+        raise ShardError(f"{path}: corrupt shard (no {next(k for k in need if k not in t)} tensor)")
     n_feat = len(header.layer_ids) * header.hidden_size
     off, n = t["offsets"], len(keys)
     total = int(off[-1]) if len(off) else 0
     if (len(off) != n + 1 or len(t["starts"]) != n or t["ids"].shape != (total,)
-            or t["aux"].shape != (total, n_feat) or t["final"].shape != (total, header.hidden_size)):
+            or t["aux"].shape != (total, n_feat) or t["final"].shape != (total, header.hidden_size)
+            or ("aux_scale" in t and (t["aux_scale"].shape != (total, len(header.layer_ids))
+                                      or t["final_scale"].shape != (total, 1)))):
         raise ShardError(f"{path}: tensor shapes do not match its header and offsets")
+    aux, final = t["aux"], t["final"]
+    if header.feature_dtype == FP8:
+        aux, final = ScaledFeatures(aux, t["aux_scale"]), ScaledFeatures(final, t["final_scale"])
     rows = []
     for i, key in enumerate(keys):
         a, b = int(off[i]), int(off[i + 1])
         rows.append(FeatureRow(key=key, ids=t["ids"][a:b].long(), start=int(t["starts"][i]),
-                               aux=t["aux"][a:b], final=t["final"][a:b]))
+                               aux=aux[a:b], final=final[a:b]))
     return rows
 
 
@@ -308,3 +380,36 @@ def load_rows(folder: str | os.PathLike, expected: ShardHeader,
         raise ShardError(f"{Path(folder) / MANIFEST}: {len(missing)} samples have no features "
                          f"(first key {missing[0]})")
     return [got[k] for k in keys]
+
+
+def convert(src: str | os.PathLike, dst: str | os.PathLike, feature_dtype: str) -> Manifest:
+    """A copy of shard folder `src` at `dst` with the features stored as `feature_dtype` (e.g.
+    a bf16 run moved to fp8 without generating again), shard by shard: the same keys in the same
+    shards. A killed conversion resumes: shards `dst` already lists are skipped."""
+    from dataclasses import replace
+
+    src = Path(src)
+    man = read_manifest(src)
+    writer = ShardWriter(dst, replace(man.header, feature_dtype=feature_dtype),
+                         samples_per_shard=1 << 30)  # flushed at each source shard's end
+    for info in man.shards:
+        if writer.done.issuperset(info.keys):
+            continue
+        for row in read_shard(src / info.file, man.header):
+            writer.add(row)
+        writer.flush()
+    return writer.manifest
+
+
+if __name__ == "__main__":  # python -m vllm_onlinespec.training.shards convert SRC DST DTYPE
+    import argparse
+
+    ap = argparse.ArgumentParser(prog="python -m vllm_onlinespec.training.shards")
+    ap.add_argument("action", choices=["convert"])
+    ap.add_argument("src")
+    ap.add_argument("dst")
+    ap.add_argument("feature_dtype", choices=FEATURE_DTYPES)
+    a = ap.parse_args()
+    m = convert(a.src, a.dst, a.feature_dtype)
+    print(f"{a.dst}: {len(m.shards)} shards, {m.response_tokens} response tokens, "
+          f"{a.feature_dtype}")

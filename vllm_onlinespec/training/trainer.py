@@ -40,6 +40,7 @@ from .blocks import LossVocab, block_loss, response_mask, sample_anchors, walk_s
 from .features import target_features
 from .generate import Sample
 from .settings import TrainerSettings
+from .shards import row_dtype
 
 STATE_DIR = "train_state"
 LOG_FILE = "train_log.jsonl"
@@ -54,7 +55,7 @@ class Example:
 
     ids: Tensor  # [T] int64
     start: int  # first response position
-    aux: Tensor  # [T, n*H] feature_dtype
+    aux: Tensor  # [T, n*H] feature_dtype (fp8 shards: a ScaledFeatures, decoded when read)
     final: Tensor  # [T, H] feature_dtype
     tgt: Tensor | None = None  # [T] int64, the target's argmax after each position (cached labels)
     # [T] bool: positions a training block may be anchored at (None: every response position);
@@ -209,8 +210,8 @@ def feature_scale(examples: Sequence[Example], max_rows: int = 200_000, seed: in
             break
         picked.append(examples[i].aux)
         n += examples[i].aux.shape[0]
-    rows = torch.cat(picked) if picked else torch.zeros(0)
-    rms = rows.float().pow(2).mean(0).sqrt()
+    rows = torch.cat([p.float() for p in picked]) if picked else torch.zeros(0)
+    rms = rows.pow(2).mean(0).sqrt()
     return torch.where(rms > 0, 1.0 / rms, torch.ones_like(rms))
 
 
@@ -588,7 +589,7 @@ def load_data(target_path: str, target: nn.Module | None, train_samples: Sequenc
         if target is None:
             target = load_target(target_path, cfg.target_dtype)
         cache = cache if fp.get("path") else None  # in-memory targets (tests) are not cached
-    fdtype = getattr(torch, cfg.feature_dtype)
+    fdtype = row_dtype(cfg.feature_dtype)
     with _timed(timings, "features_s"):
         if examples is not None:
             train_ex, held_ex = list(examples[0]), list(examples[1])
