@@ -91,6 +91,8 @@ def main(argv: list[str] | None = None) -> int:
     data = Path(a.data)
     pm = json.loads((Path(a.prompts) / "manifest.json").read_text())
     progress = [json.loads(x) for x in (data / "progress.jsonl").read_text().splitlines() if x]
+    # A resumed run lists its finished chunks again with nothing new generated: not a rate.
+    progress = [r for r in progress if r.get("new", 1) != 0]
     s = summarize(pm, progress, shard_totals(data / "train"), shard_totals(data / "heldout"),
                   a.budget)
     out = Path(a.out)

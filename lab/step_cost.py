@@ -141,7 +141,8 @@ def _profile(llm, ours: bool) -> dict | None:
 
 
 def run_engine(arm: ArmConf, drafter: str, target: str, prompts: list[list[dict]],
-               batches: list[int], repeats: int, max_tokens: int) -> list[dict]:
+               batches: list[int], repeats: int, max_tokens: int,
+               temperature: float = 0.0) -> list[dict]:
     from vllm import LLM, SamplingParams
 
     from vllm_onlinespec.engine import engine_kwargs
@@ -169,7 +170,12 @@ def run_engine(arm: ArmConf, drafter: str, target: str, prompts: list[list[dict]
             c0, s0 = _metric_values(llm)
             p0 = _profile(llm, ours)
             t = time.perf_counter()
-            outs = llm.chat(sel, params, use_tqdm=False)
+            # Sampled: seeded per request (as RL rollouts are), so the invariant sampler runs
+            # wherever drafts may change (sampling.invariant "auto").
+            ps = params if temperature == 0 else [
+                SamplingParams(temperature=temperature, seed=1000 * r + i, max_tokens=max_tokens,
+                               ignore_eos=True) for i in range(batch)]
+            outs = llm.chat(sel, ps, use_tqdm=False)
             wall = time.perf_counter() - t
             c1, s1 = _metric_values(llm)
             p1 = _profile(llm, ours)
@@ -253,7 +259,9 @@ def add_speedups(rows: list[Row]) -> None:
 def markdown(rows: list[Row], meta: dict) -> str:
     out = [f"# Step cost and ceiling ({meta['date']})", "",
            f"Command: `{meta['command']}`", "",
-           f"Target {meta['target']}, {meta['dtype']}, drafter `{meta['drafter']}`, greedy, "
+           f"Target {meta['target']}, {meta['dtype']}, drafter `{meta['drafter']}`, "
+           + ("greedy" if not meta.get("temperature") else
+              f"sampled (temperature {meta['temperature']:g}, one seed per request)") + ", "
            f"{meta['max_tokens']} tokens per request (`ignore_eos`), batches {meta['batches']}, "
            f"{meta['repeats']} repeats per point (median, min-max). One engine at a time. "
            f"`oracle` accepts every draft (benchmark-only; its output is NOT the target's). "
@@ -319,6 +327,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batches", default="1,8,32")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--temperature", type=float, default=0.0,
+                    help="0: greedy; > 0: sampled, one seed per request")
     ap.add_argument("--arms", help="comma-separated arm names to keep (default all)")
     ap.add_argument("--reversed-pass", action="store_true",
                     help="measure every arm again in reversed order; rows merge both passes")
@@ -334,7 +344,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.one:
         job = json.loads(Path(args.one).read_text())
         runs = run_engine(ArmConf(**job["arm"]), job["drafter"], job["target"], job["prompts"],
-                          job["batches"], job["repeats"], job["max_tokens"])
+                          job["batches"], job["repeats"], job["max_tokens"],
+                          job.get("temperature", 0.0))
         Path(job["result"]).write_text(json.dumps(runs))
         return 0
 
@@ -364,7 +375,7 @@ def main(argv: list[str] | None = None) -> int:
         job.write_text(json.dumps({"arm": asdict(arm), "drafter": drafter, "target": target,
                                    "prompts": prompts, "batches": batches,
                                    "repeats": args.repeats, "max_tokens": args.max_tokens,
-                                   "result": str(res)}))
+                                   "temperature": args.temperature, "result": str(res)}))
         print(f"[{i + 1}/{len(arms)}] {arm.name} K={arm.k} ...", flush=True)
         log = out / f"log-{i}-{arm.name}-k{arm.k}.txt"
         with open(log, "w") as fh:
@@ -381,6 +392,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = merge_passes(rows)
     meta = {"date": time.strftime("%Y-%m-%d"), "target": target, "drafter": drafter,
             "dtype": "bfloat16 unless the arm says fp32", "max_tokens": args.max_tokens, "batches": batches,
+            "temperature": args.temperature,
             "repeats": args.repeats, "ks": ks, "wall_s": time.perf_counter() - t0,
             "command": "python lab/step_cost.py " + " ".join(argv or sys.argv[1:]),
             "name": args.name, "box": box()}
