@@ -36,7 +36,8 @@ def _chat(args: argparse.Namespace) -> int:
 
 
 def _variant(args: argparse.Namespace) -> int:
-    """Fine-tune the base model into the terse-steps variant; write its LoRA adapter."""
+    """Fine-tune the base model into a variant (terse steps, or a file's answers); write its
+    LoRA adapter (or a trajectory of them)."""
     import os
 
     import torch

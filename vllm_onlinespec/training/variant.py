@@ -12,6 +12,9 @@ data the project generates itself, reproducibly and small enough to ship:
   3. a rank-r LoRA on every attention and MLP projection trained on (prompt, restyled answer),
      loss on the answer tokens only; saved in PEFT's format (training/lora.py).
 
+`answers="reference"` replaces steps 1-2 with a data file's own answers (`reference_answer`,
+e.g. GSM8K's worked solutions): an SFT toward a dataset's format, nothing generated.
+
 The same training loop (`train_adapter`) also runs as a trajectory that saves the adapter at
 evenly spaced steps (training/drift.py): a policy that drifts, one version per checkpoint.
 Prompts in the shipped drafter's held-out list are never trained on (`heldout_texts`), so the
