@@ -73,6 +73,11 @@ def _later_turns(row: dict) -> tuple[str, ...]:
 _NOT_JSON = object()  # what iter_jsonl yields for a line that is not JSON
 
 
+def row_key(row: dict, line: int) -> str:
+    """A JSONL row's key within its file: `question_id`, `id` or `task_id`, else its line."""
+    return str(row.get("question_id", row.get("id", row.get("task_id", line))))
+
+
 def load_jsonl(path: str | os.PathLike, source: str = "jsonl",
                categories: Sequence[str] | None = None, log=print) -> list[Prompt]:
     """Prompts from a jsonl file with a `prompt`, `turns` (first turn) or `messages` field per
@@ -104,8 +109,7 @@ def load_jsonl(path: str | os.PathLike, source: str = "jsonl",
             bad[why] = bad.get(why, 0) + 1
             first_bad = first_bad or f"{path}:{n}: {why}"
             continue
-        key = row.get("question_id", row.get("id", row.get("task_id", n)))
-        out.append(Prompt(id=f"{source}:{key}", source=source, text=text, category=cat,
+        out.append(Prompt(id=f"{source}:{row_key(row, n)}", source=source, text=text, category=cat,
                           next_turns=_later_turns(row)))
     if bad:
         if not out:

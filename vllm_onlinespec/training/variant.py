@@ -354,7 +354,7 @@ def reference_examples(base_path: str, recipe: VariantRecipe, data: str | Path, 
     from transformers import AutoTokenizer
 
     from vllm_onlinespec.jsonl import iter_jsonl
-    from vllm_onlinespec.training.data import load_jsonl
+    from vllm_onlinespec.training.data import load_jsonl, row_key
     from vllm_onlinespec.training.generate import chat_ids
     from vllm_onlinespec.training.self_prompts import normalise
 
@@ -366,8 +366,7 @@ def reference_examples(base_path: str, recipe: VariantRecipe, data: str | Path, 
     for n, r in lines:
         if (n not in tail and isinstance(r, dict) and isinstance(r.get("reference_answer"), str)
                 and r["reference_answer"].strip()):
-            answers[f"jsonl:{r.get('question_id', r.get('id', r.get('task_id', n)))}"] = \
-                r["reference_answer"].strip()
+            answers[f"jsonl:{row_key(r, n)}"] = r["reference_answer"].strip()
     kept = [p for p in prompts if p.id in answers and normalise(p.text) not in exclude]
     if not kept:
         raise ValueError(f"{data}: no row with a user turn and a reference_answer outside the "
