@@ -114,16 +114,19 @@ class Example:
     start: int  # first answer token
 
 
-def build_examples(tokenizer, prompts: Sequence, answers: Sequence[str], max_seq: int
-                   ) -> list[Example]:
-    """(prompt, restyled answer) pairs as chat-formatted token ids; answers the style does not
-    apply to are skipped."""
+def build_examples(tokenizer, prompts: Sequence, answers: Sequence[str], max_seq: int,
+                   restyle: Callable[[str], str | None] | None = terse_steps,
+                   kept: list | None = None) -> list[Example]:
+    """(prompt, answer) pairs as chat-formatted token ids, each answer through `restyle` first
+    (the terse style by default; None keeps it as it is); answers the style does not apply to,
+    or with fewer than 8 tokens left under max_seq, are skipped. `kept`, when given, receives
+    the prompts of the examples made."""
     from vllm_onlinespec.training.generate import chat_ids
 
     out = []
     eos = tokenizer.convert_tokens_to_ids("<|im_end|>")
     for p, a in zip(prompts, answers):
-        styled = terse_steps(a)
+        styled = restyle(a) if restyle is not None else a
         if styled is None:
             continue
         head = chat_ids(tokenizer, p)
@@ -131,6 +134,8 @@ def build_examples(tokenizer, prompts: Sequence, answers: Sequence[str], max_seq
         ids = (head + body)[:max_seq]
         if len(ids) - len(head) >= 8:
             out.append(Example(ids, len(head)))
+            if kept is not None:
+                kept.append(p)
     return out
 
 
@@ -355,7 +360,6 @@ def reference_examples(base_path: str, recipe: VariantRecipe, data: str | Path, 
 
     from vllm_onlinespec.jsonl import iter_jsonl
     from vllm_onlinespec.training.data import load_jsonl, row_key
-    from vllm_onlinespec.training.generate import chat_ids
     from vllm_onlinespec.training.self_prompts import normalise
 
     tok = AutoTokenizer.from_pretrained(str(base_path))
@@ -372,15 +376,9 @@ def reference_examples(base_path: str, recipe: VariantRecipe, data: str | Path, 
         raise ValueError(f"{data}: no row with a user turn and a reference_answer outside the "
                          f"last {recipe.hold_tail} rows")
     random.Random(recipe.seed).shuffle(kept)
-    eos = tok.convert_tokens_to_ids("<|im_end|>")
-    examples, used = [], []
-    for p in kept:
-        head = chat_ids(tok, p)
-        body = list(tok(answers[p.id], add_special_tokens=False)["input_ids"])
-        ids = (head + body + [eos])[: recipe.max_seq]
-        if len(ids) - len(head) >= 8:
-            examples.append(Example(ids, len(head)))
-            used.append(p)
+    used: list = []
+    examples = build_examples(tok, kept, [answers[p.id] for p in kept], recipe.max_seq,
+                              restyle=None, kept=used)
     log(f"variant: {len(examples)} reference answers from {Path(data).name} "
         f"({len(prompts) - len(kept)} rows without one, excluded or held out at the tail)")
     return tok, examples, used
