@@ -108,6 +108,34 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _engine_core_in_this_process(request):
+    """Modules marked `engine_in_process` build their `LLM(...)` engines with vLLM's in-process
+    engine core and worker (VLLM_ENABLE_V1_MULTIPROCESSING=0): on CPU vLLM otherwise spawns two
+    processes that each import vLLM again, ~20 s of every engine's start. The plugin's code is
+    the same either way; the multiprocess layout users run is what every subprocess test (`vllm
+    serve`, the examples, the wheel, the benchmarks' arms) and the tensor-parallel test start."""
+    if request.node.get_closest_marker("engine_in_process") is None:
+        yield
+        return
+    import torch
+
+    key, before, threads = "VLLM_ENABLE_V1_MULTIPROCESSING", os.environ.get(
+        "VLLM_ENABLE_V1_MULTIPROCESSING"), torch.get_num_threads()
+    os.environ[key] = "0"
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = before
+        import vllm.envs
+
+        vllm.envs.disable_envs_cache()  # the engine core froze every vLLM variable as it started
+        torch.set_num_threads(threads)  # vLLM's CPU worker set this process's count for serving
+
+
 def pytest_configure(config):
     # vLLM workers are spawned processes; keep their logs quiet and their thread counts sane.
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")

@@ -59,6 +59,23 @@ def test_top_k_zero_rows_probe():
     assert not D.top_k_only_handles_zero_rows(raising)
 
 
+def test_a_second_engine_in_the_process_reports_the_fixes_still_in_force(monkeypatch):
+    """vLLM's in-process engine core installs the fixes again for every engine it starts: the
+    probes then see the fixed functions, which must read as kept, not as a clean vLLM."""
+    from vllm.v1.sample.ops import topk_topp_sampler as tks
+
+    def raising(logits, k):
+        return logits.masked_fill(logits < k.max(), 0)
+
+    monkeypatch.setattr(tks, "apply_top_k_only", raising)
+    first, second = D.FixReport(), D.FixReport()
+    D._fix_top_k_zero_rows(first)
+    D._fix_top_k_zero_rows(second)
+    assert first.fixed and not first.kept and second.kept == ["top_k on zero rows"]
+    assert "patched earlier in this process: top_k on zero rows" in second.line()
+    assert tks.apply_top_k_only(torch.empty(0, 4), torch.empty(0, dtype=torch.int64)).shape == (0, 4)
+
+
 class _FakeRunner:
     """What patch_seeded_rewind reads: the discard mask and the per-row generators."""
 

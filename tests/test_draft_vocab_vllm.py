@@ -15,7 +15,7 @@ import torch
 
 from engine_checks import assert_drafter_matches_twin, assert_greedy_equal
 
-pytestmark = pytest.mark.vllm
+pytestmark = [pytest.mark.vllm, pytest.mark.engine_in_process]
 
 PROMPTS = ["What is the capital of France?", "Write a haiku about rain."]
 MAX_TOKENS = 24

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-pytestmark = pytest.mark.vllm
+pytestmark = [pytest.mark.vllm, pytest.mark.engine_in_process]
 
 MAX_TOKENS = 32
 PROMPTS = ["Write a short poem about the sea.", "Explain photosynthesis simply.",

@@ -6,7 +6,7 @@ would otherwise run (training/features.py), within float32 kernel tolerance."""
 import pytest
 import torch
 
-pytestmark = pytest.mark.vllm
+pytestmark = [pytest.mark.vllm, pytest.mark.engine_in_process]
 
 PROMPTS = ["What is 2+2?", "Name three colors.", "Write one sentence about the moon."]
 MAX_TOKENS = 20

@@ -11,7 +11,7 @@ from test_online import (MAX_TOKENS, PROMPTS, assert_lossless,
                          online_cfg, run_pass, wait_learned)
 from engine_checks import K, make_drafter
 
-pytestmark = pytest.mark.vllm
+pytestmark = [pytest.mark.vllm, pytest.mark.engine_in_process]
 
 
 @pytest.fixture(scope="module")

@@ -23,7 +23,7 @@ import torch
 from test_sampled_lossless import (N_DRAWS, P_FLOOR, chat, fit, hf_greedy, hf_target,  # noqa: F401
                                    long_prompt, make_llm)
 
-pytestmark = pytest.mark.vllm
+pytestmark = [pytest.mark.vllm, pytest.mark.engine_in_process]
 
 LOOKUP = {"enabled": True, "min_n": 1, "min_tokens": 1}
 ONLINE = {"update": {"lr": 1e-3}, "min_new_tokens_per_update": 8,

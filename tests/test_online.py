@@ -15,7 +15,7 @@ import pytest
 
 from engine_checks import make_drafter
 
-pytestmark = pytest.mark.vllm
+pytestmark = [pytest.mark.vllm, pytest.mark.engine_in_process]
 
 K = 4
 MAX_TOKENS = 48

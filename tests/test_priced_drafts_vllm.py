@@ -8,7 +8,7 @@ import pytest
 
 from engine_checks import assert_greedy_equal
 
-pytestmark = pytest.mark.vllm
+pytestmark = [pytest.mark.vllm, pytest.mark.engine_in_process]
 
 PROMPTS = ["Copy this list exactly: apple, banana, cherry, date, elderberry, fig, grape, honeydew, "
            "kiwi, lemon, mango.",

@@ -23,7 +23,7 @@ import pytest
 
 from engine_checks import make_drafter
 
-pytestmark = pytest.mark.vllm
+pytestmark = [pytest.mark.vllm, pytest.mark.engine_in_process]
 
 K = 4
 GREEDY_PROMPTS = ["What is 2+2?", "Name three colors.", "Write one sentence about the moon."]

@@ -18,7 +18,7 @@ import torch
 
 from engine_checks import K, assert_drafter_matches_twin, assert_greedy_equal, make_drafter
 
-pytestmark = pytest.mark.vllm
+pytestmark = [pytest.mark.vllm, pytest.mark.engine_in_process]
 
 PROMPTS = ["What is 2+2?", "Write one sentence about the moon."]
 PARITY_PROMPTS = ["What is 2+2?", "Name three colors.", "Write one sentence about the moon."]

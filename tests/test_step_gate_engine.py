@@ -11,7 +11,7 @@ import pytest
 
 from engine_checks import assert_greedy_equal
 
-pytestmark = pytest.mark.vllm
+pytestmark = [pytest.mark.vllm, pytest.mark.engine_in_process]
 
 K = 4
 MAX_TOKENS = 40

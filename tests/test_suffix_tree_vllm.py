@@ -10,7 +10,7 @@ import pytest
 
 from engine_checks import assert_greedy_equal
 
-pytestmark = pytest.mark.vllm
+pytestmark = [pytest.mark.vllm, pytest.mark.engine_in_process]
 
 # The first two answers copy their prompts (the tree drafts long, confident matches), the last
 # is free text.

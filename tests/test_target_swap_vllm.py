@@ -13,7 +13,7 @@ import shutil
 import pytest
 import torch
 
-pytestmark = pytest.mark.vllm
+pytestmark = [pytest.mark.vllm, pytest.mark.engine_in_process]
 
 # The last prompt fills whole K/V blocks, which vLLM's prefix cache keeps: served before and
 # after the swap, it is answered from the new weights only if the swap reset that cache.

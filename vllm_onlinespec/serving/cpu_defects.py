@@ -183,6 +183,9 @@ def _fix_top_k_zero_rows(report: FixReport) -> None:
     from vllm.v1.sample.ops import topk_topp_sampler as tks
 
     orig = tks.apply_top_k_only
+    if getattr(orig, "_onlinespec_fix", False):
+        report.kept.append("top_k on zero rows")
+        return
     if top_k_only_handles_zero_rows(orig):
         report.clean.append("top_k on zero rows")
         return
@@ -192,6 +195,7 @@ def _fix_top_k_zero_rows(report: FixReport) -> None:
             return logits
         return orig(logits, k)
 
+    apply_top_k_only._onlinespec_fix = True
     tks.apply_top_k_only = apply_top_k_only
     report.fixed.append("top_k on zero rows (apply_top_k_only returns empty logits instead of "
                         "raising in k.max())")
@@ -207,11 +211,15 @@ class FixReport:
 
     fixed: list[str] = field(default_factory=list)
     clean: list[str] = field(default_factory=list)
+    # Fixed by an earlier engine in this process (vLLM's in-process engine core): still in force.
+    kept: list[str] = field(default_factory=list)
 
     def line(self) -> str:
         parts = []
         if self.fixed:
             parts.append("patched " + "; ".join(self.fixed))
+        if self.kept:
+            parts.append("patched earlier in this process: " + ", ".join(self.kept))
         if self.clean:
             parts.append("not needed: " + ", ".join(self.clean))
         return "onlinespec: vLLM CPU sampling defects: " + " | ".join(parts)
@@ -225,6 +233,9 @@ def _fix_expand(report: FixReport) -> None:
     from vllm.utils import cpu_triton_utils as cpu_tl
 
     impl = getattr(cpu_tl, "_expand_kernel_impl", None)
+    if impl is exact_expand_kernel_impl:
+        report.kept.append("expand_kernel")
+        return
     if impl is None or expand_impl_is_exact(impl):
         report.clean.append("expand_kernel")
         return
@@ -236,6 +247,9 @@ def _fix_expand(report: FixReport) -> None:
 def _fix_seeded_rewind(report: FixReport) -> None:
     from vllm.v1.worker.cpu_model_runner import CPUModelRunner
 
+    if CPUModelRunner.__dict__.get("_onlinespec_rewind_patched", False):
+        report.kept.append("seeded rewind")
+        return
     if not (cpu_generator_lacks_offset() and bookkeeping_rewinds_by_offset(CPUModelRunner)):
         report.clean.append("seeded rewind")
         return
