@@ -107,15 +107,20 @@ def runs(llm):
                  SamplingParams(temperature=0.0, max_tokens=48), use_tqdm=False)
     version_b = stats(llm).published_version
     a0, d0 = spec_counters(llm)
+    whole0 = stats(llm).invariant_whole_steps
     outs_b = llm.chat(convs[:len(SEEDED)][::-1], seeded_params()[::-1], use_tqdm=False)[::-1]
     a1, d1 = spec_counters(llm)
     return {"a": outs_a, "b": outs_b, "versions": (version_a, version_b),
-            "accepted_b": a1 - a0, "drafted_b": d1 - d0, "stats": stats(llm)}
+            "accepted_b": a1 - a0, "drafted_b": d1 - d0, "stats": stats(llm),
+            "whole_steps_b": stats(llm).invariant_whole_steps - whole0}
 
 
 def test_seeded_requests_reproduce_across_published_versions(runs, hf_target):
+    """Pass A (beside greedy rows: vLLM samples, the seeded rows are rewritten) and pass B
+    (seeded rows only: every step sampled here, vLLM's sampler skipped) give the same tokens."""
     va, vb = runs["versions"]
     assert vb > va, "the learner published nothing between the two passes"
+    assert runs["whole_steps_b"] > 0, runs["stats"]
     for (prompt, kw), a, b in zip(SEEDED, runs["a"], runs["b"]):
         got_a, got_b = list(a.outputs[0].token_ids), list(b.outputs[0].token_ids)
         assert got_a == got_b, (prompt[:40], kw)

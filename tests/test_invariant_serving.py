@@ -107,7 +107,8 @@ def _step():
                             num_tokens_no_spec=[10, 20])
     runner = SimpleNamespace(input_batch=batch,
                              rejection_sampler=RejectionSampler.__new__(RejectionSampler))
-    spec = SimpleNamespace(num_draft_tokens=[2, 1], draft_token_ids=torch.tensor([11, 12, 13]),
+    spec = SimpleNamespace(num_draft_tokens=[2, 1], max_spec_len=2,
+                           draft_token_ids=torch.tensor([11, 12, 13]),
                            target_logits_indices=torch.tensor([0, 1, 3]),
                            bonus_logits_indices=torch.tensor([2, 4]))
     logits = torch.randn(5, V, generator=torch.Generator().manual_seed(0))
@@ -218,3 +219,38 @@ def test_without_tensor_parallelism_a_failed_rewrite_keeps_vllms_sample(cpu_expa
         rows, raised = _run_step(verifier, fail)
         assert rows == vllm_rows and "out of memory" in raised
     assert verifier.fallbacks == {"rewrite failed": 4} and verifier.covered_steps == 2
+
+
+def test_a_batch_of_covered_rows_is_sampled_without_vllms_sampler(cpu_expand):
+    """Every request seeded and sampled (RL rollouts): the step's output is built here, row for
+    row what `after` writes over vLLM's sample, and vLLM's sampler is skipped. One request
+    unseeded (not covered): vLLM samples, as before. A failed rewrite: None, counted, raised."""
+    verifier = IS.InvariantVerifier("seeded", group=None)
+    rewritten, _ = _run_step(IS.InvariantVerifier("seeded", group=None), None)
+    runner, logits, spec, _ = _step()
+    pending = verifier.before(runner, logits, spec)
+    assert verifier.replaces(runner, pending)
+    out = verifier.sample(runner, pending, spec)
+    assert out.sampled_token_ids.dtype == torch.int32 and out.logprobs_tensors is None
+    assert out.sampled_token_ids.tolist() == rewritten
+    assert verifier.replaced_steps == 1 and verifier.covered_steps == 2
+    # A plain step (no drafts): one token per request, the invariant one.
+    runner, logits, _, _ = _step()
+    plain = verifier.sample(runner, verifier.before(runner, logits[:2], None), None)
+    assert plain.sampled_token_ids.shape == (2, 1)
+    assert plain.sampled_token_ids[:, 0].tolist() != [PH, PH]
+
+    runner, logits, spec, _ = _step()
+    runner.input_batch.sampling_metadata.generators.pop(1)  # request "b" unseeded
+    assert not verifier.replaces(runner, verifier.before(runner, logits, spec))
+
+    runner, logits, spec, _ = _step()
+    pending = verifier.before(runner, logits, spec)
+
+    def oom(*a, **k):
+        raise RuntimeError("out of memory (fake)")
+
+    verifier._processed = oom
+    with pytest.raises(RuntimeError, match="out of memory"):
+        verifier.sample(runner, pending, spec)
+    assert verifier.fallbacks == {"rewrite failed": 2} and verifier.replaced_steps == 2

@@ -127,11 +127,20 @@ class OnlineSpecRunnerMixin:
         if inv is not None and logits is not None:
             with self._onlinespec_guard(G.INVARIANT):
                 pending = inv.before(self, logits, spec_decode_metadata)
-        out = super()._sample(logits, spec_decode_metadata)
-        if pending is not None:
-            # A failure here is counted and leaves vLLM's own (valid, not reproducible) sample.
+        out = None
+        if inv is not None and inv.replaces(self, pending):
+            # Every row's sample is the invariant one: vLLM's sampler would be thrown away.
             with self._onlinespec_guard(G.INVARIANT):
-                inv.after(self, pending, spec_decode_metadata, out)
+                out = inv.sample(self, pending, spec_decode_metadata)
+            if out is None:  # the rewrite failed (counted): vLLM samples, nothing rewritten
+                pending = None
+        if out is None:
+            out = super()._sample(logits, spec_decode_metadata)
+            if pending is not None:
+                # A failure here is counted and leaves vLLM's own (valid, not reproducible)
+                # sample.
+                with self._onlinespec_guard(G.INVARIANT):
+                    inv.after(self, pending, spec_decode_metadata, out)
         t1 = time.perf_counter()
         with self._onlinespec_guard(G.SAMPLE):
             prof, session = self._onlinespec_profile, self._onlinespec

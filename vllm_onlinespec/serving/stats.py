@@ -168,6 +168,7 @@ class OnlineSpecStats:
     invariant_mode: str = "off"  # sampling.invariant as resolved: "seeded", "all" or "off"
     invariant_rows: int = 0  # sampled request-steps verified drafter-invariantly
     coupled_rows: int = 0  # of the drafting ones, drafts drawn with the verifier's noise
+    invariant_whole_steps: int = 0  # engine steps sampled entirely here: vLLM's sampler skipped
     # sampled request-steps the mode should cover but left to vLLM's sampling, by reason
     invariant_fallbacks: dict[str, int] = field(default_factory=dict)
     hooks: HookStats = field(default_factory=HookStats)
@@ -225,7 +226,8 @@ def invariant_fields(inv: Any) -> dict[str, Any]:
     if inv is None:
         return {}
     return {"invariant_mode": inv.mode, "invariant_rows": inv.covered_steps,
-            "coupled_rows": inv.coupled_rows, "invariant_fallbacks": dict(inv.fallbacks)}
+            "coupled_rows": inv.coupled_rows, "invariant_whole_steps": inv.replaced_steps,
+            "invariant_fallbacks": dict(inv.fallbacks)}
 
 
 def session_stats(s: Any) -> OnlineSpecStats:
