@@ -116,7 +116,10 @@ def arms_for(ks: list[int], drafter: str) -> list[ArmConf]:
                             dtype="float32"),
                     ArmConf("k0-recipe-fp32", "ours", 16, dtype="float32", online={
                         **k0, "length_head": {"policy": "budget", "k_min": 0},
-                        "prompt_lookup": {"enabled": True, "source": "suffix_tree"}})]
+                        "prompt_lookup": {"enabled": True, "source": "suffix_tree"}}),
+                    # the cpu preset itself, learning off (its drafting steps and its floor)
+                    ArmConf("recipe-fp32", "ours", 16, dtype="float32",
+                            online={"preset": "cpu", "enabled": False})]
     return out
 
 

@@ -222,6 +222,18 @@ class InvariantVerifier:
         sample (the same on every rank: same seeds, same logits), the request-steps are counted
         in `fallbacks` ("rewrite failed"), and a rank whose own rewrite failed re-raises its
         error (the runner's guard counts and logs it)."""
+        result = self._voted(runner, pending, spec, out)
+        if result is None:
+            return
+        sampled, logprobs = result
+        out.sampled_token_ids.copy_(sampled)
+        out.logprobs_tensors = logprobs
+        self.covered_steps += len(pending.rows)
+
+    def _voted(self, runner: Any, pending: _Pending, spec: Any, out: Any
+               ) -> tuple[torch.Tensor, Any] | None:
+        """The rewrite of `out`, where it succeeded on every tensor-parallel rank; else None,
+        counted, and this rank's own error (if it failed here) re-raised."""
         error, result = pending.error, None
         if error is None:
             try:
@@ -232,11 +244,8 @@ class InvariantVerifier:
             self._skip("rewrite failed", len(pending.rows))
             if error is not None:
                 raise error
-            return
-        sampled, logprobs = result
-        out.sampled_token_ids.copy_(sampled)
-        out.logprobs_tensors = logprobs
-        self.covered_steps += len(pending.rows)
+            return None
+        return result
 
     def replaces(self, runner: Any, pending: _Pending | None) -> bool:
         """Whether this step can skip vLLM's sampler: every request of the batch is covered
@@ -262,21 +271,18 @@ class InvariantVerifier:
         update = getattr(runner.input_batch, "update_async_output_token_ids", None)
         if update is not None:  # what vLLM's _sample does first (gpu_model_runner.py:3446)
             update()
-        error, result = None, None
+        # The output vLLM's sampler would allocate: [requests, max drafts + 1], int32, every
+        # slot a placeholder until the rewrite fills each row.
+        empty = None
         try:
-            n = len(runner.input_batch.req_ids)
             width = 1 if spec is None else int(spec.max_spec_len) + 1
-            dev = pending.raw.device
-            template = SimpleNamespace(
-                sampled_token_ids=torch.full((n, width), PLACEHOLDER, dtype=torch.int32,
-                                             device=dev), logprobs_tensors=None)
-            result = self._rewrite(runner, pending, spec, template)
-        except Exception as e:  # noqa: BLE001 - re-raised below, after the vote
-            error = e
-        if not self._agreed(error is None):
-            self._skip("rewrite failed", len(pending.rows))
-            if error is not None:
-                raise error
+            empty = SimpleNamespace(logprobs_tensors=None, sampled_token_ids=torch.full(
+                (len(runner.input_batch.req_ids), width), PLACEHOLDER, dtype=torch.int32,
+                device=pending.raw.device))
+        except Exception as e:  # noqa: BLE001 - every rank must still reach the vote
+            pending.error = e
+        result = self._voted(runner, pending, spec, empty)
+        if result is None:
             return None
         sampled, logprobs = result
         self.covered_steps += len(pending.rows)
