@@ -93,6 +93,9 @@ def test_arm_names_say_where_they_leave_the_preset(tmp_path):
     assert conf.prompt_lookup.source == "suffix_tree"  # the rest of the preset kept
     whole = OnlineSpecConfig.from_any(make_arm("frozen+unpriced", **kw).onlinespec)
     assert not whole.length_head.price_lookup and whole.length_head.gate
+    coupled = OnlineSpecConfig.from_any(make_arm("online-ogd+coupled", **kw).onlinespec)
+    assert coupled.sampling.coupled_drafts and coupled.enabled
+    assert coupled.prompt_lookup.source == "suffix_tree"
     with pytest.raises(ValueError, match="goes with this project's DFlash arms"):
         make_arm("vllm-suffix+unpriced", **kw)
     none = base_settings("none")

@@ -28,6 +28,8 @@
                                  decoding's rule) instead of pricing them
     <arm>+gateonly               the budget's cost-model gate alone, without the choice among
                                  plain / tree / drafter by measured cycles
+    <arm>+coupled                sampled requests verified drafter-invariantly get drafts drawn
+                                 with the verifier's noise (sampling.coupled_drafts)
 
 Every arm of ours starts from the same drafter weights and the same base settings (`online`
 below: by default the `cpu` preset, vllm_onlinespec/presets.py, so `frozen` is the recommended
@@ -122,6 +124,8 @@ ARM_SUFFIXES: dict[str, tuple[str, dict]] = {
     "+confidence": ("length_head", {"estimator": "confidence"}),
     "+unpriced": ("length_head", {"price_lookup": False}),
     "+gateonly": ("length_head", {"options": ["drafter"]}),
+    # sampled requests: drafts drawn with the invariant verifier's own noise
+    "+coupled": ("sampling", {"coupled_drafts": True}),
 }
 
 
@@ -160,7 +164,7 @@ def _parse(name: str) -> tuple[str, dict | None]:
                      "frozen, k0, shadow, "
                      + ", ".join(f"online-{a}" for a in ALGORITHMS) + ", "
                      + ", ".join(POLICIES) + ", frozen-<policy>, and <our arm>+lookup, +tree, "
-                     "+nolookup, +confidence, +unpriced or +gateonly")
+                     "+nolookup, +confidence, +unpriced, +gateonly or +coupled")
 
 
 def merge_sections(base: dict, over: dict) -> dict:
