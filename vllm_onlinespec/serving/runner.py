@@ -128,12 +128,13 @@ class OnlineSpecRunnerMixin:
             with self._onlinespec_guard(G.INVARIANT):
                 pending = inv.before(self, logits, spec_decode_metadata)
         out = None
-        if inv is not None and inv.replaces(self, pending):
-            # Every row's sample is the invariant one: vLLM's sampler would be thrown away.
+        if pending is not None:
             with self._onlinespec_guard(G.INVARIANT):
-                out = inv.sample(self, pending, spec_decode_metadata)
-            if out is None:  # the rewrite failed (counted): vLLM samples, nothing rewritten
-                pending = None
+                if inv.replaces(self, pending):
+                    # Every row's sample is the invariant one: vLLM's would be thrown away.
+                    tried, pending = pending, None  # one vote per step, whatever happens
+                    out = inv.sample(self, tried, spec_decode_metadata)
+            # out None: the rewrite failed (counted, on every rank): vLLM samples, unrewritten.
         if out is None:
             out = super()._sample(logits, spec_decode_metadata)
             if pending is not None:
