@@ -182,7 +182,9 @@ def test_one_rank_failing_makes_both_ranks_keep_vllms_sample(tmp_path):
 
     steps = {"ok": {}, "rank 1 after": {1: "after"}, "rank 0 before": {0: "before"},
              "ok again": {}}
-    ctx = mp.get_context("fork")
+    # spawned, not forked: this process may hold an in-process vLLM engine's OpenMP and
+    # thread-binding state (tests marked engine_in_process), which a forked child inherits
+    ctx = mp.get_context("spawn")
     q = ctx.Queue()
     init = f"file://{tmp_path / 'rendezvous'}"
     procs = [ctx.Process(target=_rank, args=(r, init, steps, q)) for r in (0, 1)]
