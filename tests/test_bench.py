@@ -176,7 +176,11 @@ def test_step_profile_roundtrips_and_reports_what_the_worker_did_not_see(tmp_pat
     row = step_markdown([again, ArmResult(spec=make_arm("nospec", target="t", prompts="p",
                                                         out_dir=tmp_path))]).splitlines()[2:]
     # wall 40 ms/step; the worker 20 + 10 (sample_tokens) + 1 (ours outside it) = 31 ms
-    assert row == ["| frozen | 100 | 40.0 | 20.00 | 1.00 | 5.00 | 3.00 | 2.00 | 9.00 | 1.5 |"]
+    assert row == ["| frozen | 100 | 40.0 | 20.00 | 1.00 | 5.00 | 3.00 | 2.00 | 9.00 | 1.5 | - | - |"]
+    # With the learner split: steps begun inside an update and their target cost per token.
+    again.step_profile = {**prof, "learner": {"busy@B8": [10, 0.22, 80], "idle@B8": [90, 1.8, 720]},
+                          "learner_cost": {"B8": 1.1, "all": 1.1}}
+    assert step_markdown([again]).splitlines()[2].endswith("| 1.5 | 10 | 1.100x |")
 
 
 def test_demo_verdict_needs_the_gain_in_every_stream_order(tmp_path):
@@ -417,3 +421,23 @@ def test_rl_demo_runs_bench_rl_with_its_plan_and_writes_the_verdict(tmp_path, mo
     assert json.loads((tmp_path / "demo.json").read_text())["meta"]["verdict"][-1] \
         .startswith("verdict: LEARNED")
     assert (tmp_path / "demo.png").stat().st_size > 1000
+
+
+def test_step_profile_splits_the_target_span_by_the_learners_state():
+    """A step begun inside a learner update is counted apart, per batch bucket; the cost ratio
+    compares target ms per scheduled token like for like and weighs buckets by idle steps."""
+    from vllm_onlinespec.serving.step_profile import StepProfile
+
+    p = StepProfile()
+    p.observe_target(0.1)  # no learner: counted, not split
+    assert p.steps == 1 and p.learner == {}
+    for _ in range(3):
+        p.observe_target(0.100, learner_busy=False, batch_size=8, tokens=8)
+        p.observe_target(0.050, learner_busy=False, batch_size=1, tokens=1)
+    p.observe_target(0.110, learner_busy=True, batch_size=7, tokens=8)  # bucket 8, +10 %
+    p.observe_target(0.060, learner_busy=True, batch_size=2, tokens=2)  # bucket 2: no idle twin
+    assert p.steps == 9 and p.learner["busy@B8"] == [1, pytest.approx(0.110), 8]
+    cost = p.learner_cost()
+    assert cost == {"B8": pytest.approx(1.1), "all": pytest.approx(1.1)}
+    assert p.as_dict()["learner_cost"] == cost
+    assert StepProfile().learner_cost() == {}

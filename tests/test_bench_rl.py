@@ -294,3 +294,24 @@ def test_idle_only_learner_trains_in_idle_time_and_yields_within_one_step():
         assert ln.updates == after  # the gap is over: idle again only when serving idles
     finally:
         ln.stop()
+
+
+def test_round_rows_carry_the_budgets_options_and_the_step_profile():
+    """Per round: the share of steps the budget ran each option on (a delta of the worker's
+    counters) and the worker's ms per step per phase, `engine` the rest of the wall time."""
+    from vllm_onlinespec.bench.rl import option_shares, step_ms
+    from vllm_onlinespec.serving.stats import CutterStats
+
+    st = lambda steps: SimpleNamespace(cutter=CutterStats(option_steps=steps))  # noqa: E731
+    assert option_shares(st({"plain": 10, "tree": 0, "drafter": 2}),
+                         st({"plain": 40, "tree": 10, "drafter": 2})) == {
+        "plain": 0.75, "tree": 0.25, "drafter": 0.0}
+    assert option_shares(st({}), st({})) is None
+    p0 = {"steps": 10, "target_s": 1.0, "sample_s": 0.1, "draft_s": 0.2, "ours_s": 0.05,
+          "ours_in_sample_tokens_s": 0.02, "sample_tokens_s": 0.4, "per_step_ms": {}}
+    p1 = {**{k: 2 * v for k, v in p0.items() if k != "per_step_ms"}, "per_step_ms": {}}
+    got = step_ms(p0, p1, wall=3.0)
+    assert got["steps"] == 10 and got["target"] == pytest.approx(100.0)
+    assert got["draft"] == pytest.approx(20.0) and got["other"] == pytest.approx(8.0)
+    assert got["engine"] == pytest.approx(300.0 - 100 - 10 - 20 - 5 - 8)
+    assert step_ms({}, {}, 3.0) is None

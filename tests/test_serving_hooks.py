@@ -166,6 +166,8 @@ class FakePublisher:
 class FakeLearner:
     """latest() returns a newer version on every call: a learner racing the serving thread."""
 
+    in_update = False  # never inside an update (the step profile's learner split)
+
     def __init__(self):
         self.calls = 0
 

@@ -192,7 +192,10 @@ def step_markdown(results: Sequence[ArmResult]) -> str:
     """Where each arm's engine steps went (ms per step; the arms on this project's worker).
     `engine` is what the worker does not see: the stream's wall time per step minus the
     worker's phases (scheduler, engine-core <-> worker hand-off, the client threads, and any
-    wait for a CPU the learner holds)."""
+    wait for a CPU the learner holds). The last two columns: the steps that began while the
+    learner was inside an update, and their target forward's ms per scheduled token over the
+    other steps', per batch bucket weighted by the other steps (what a busy learner costs a
+    step, like for like)."""
     lines = []
     for r in results:
         prof = r.step_profile
@@ -204,13 +207,18 @@ def step_markdown(results: Sequence[ArmResult]) -> str:
                         + prof["ours_s"] - prof["ours_in_sample_tokens_s"]) / steps
         wall = 1e3 * r.totals()["wall_s"] / steps
         busy = r.stats.learner.busy_s if r.stats.learner is not None else 0.0
+        split = prof.get("learner", {})
+        n_busy = int(sum(v[0] for k, v in split.items() if k.startswith("busy")))
+        cost = prof.get("learner_cost", {}).get("all")
         lines.append(f"| {r.name} | {steps} | {wall:.1f} | "
                      + " | ".join(f"{ms[k]:.2f}" for k in STEP_PHASES)
-                     + f" | {wall - worker:.2f} | {busy:.1f} |")
+                     + f" | {wall - worker:.2f} | {busy:.1f} | {n_busy if split else '-'} | "
+                     + (f"{cost:.3f}x" if cost is not None else "-") + " |")
     if not lines:
         return ""
     head = ("| arm | engine steps | wall ms/step | target | sample | draft | ours | runner other "
-            "| engine | learner busy s |\n|---|---|---|---|---|---|---|---|---|---|\n")
+            "| engine | learner busy s | steps begun in an update | target ms per token, "
+            "those / the rest |\n|---|---|---|---|---|---|---|---|---|---|---|---|\n")
     return head + "\n".join(lines) + "\n"
 
 

@@ -24,7 +24,12 @@ learning: the catalog's `online-ogd`), or any other catalog arm.
 Per round and arm: wall_s, tok_s (output tokens / wall_s), accept_len ((accepted + drafts) /
 drafts from vLLM's counters), drafter_accept (accepted tokens per request-step that verified the
 drafter's block: vLLM's counters less the prompt lookup's rows; null for vLLM's arms),
-gate_shut_share (share of the budget's gated steps it shut), learner updates during the round
+gate_shut_share (share of the budget's gated steps it shut), option_shares (share of the round's
+steps the budget ran plain / tree / drafter on) and option_ms_per_token (what each option's
+measured cycles cost per produced token, by batch bucket, at the round's end), step_ms (the
+round's engine steps and ms per step of each worker phase, serving/step_profile.py), learner
+updates
+during the round
 and the gap, gap_s_used, push_s, learner_gain (the learner's own paired estimate after the gap:
 accepted draft tokens per block, current minus start weights on the same verified text). The report (<out>/rl_rollouts.{json,md,png}) gives per arm the
 median over orders of the last half of the rounds, and online / frozen and online / vllm-suffix.
@@ -188,6 +193,34 @@ def learner_gain(st) -> float | None:
     return None if g is None or not math.isfinite(g) else round(float(g), 4)
 
 
+def step_ms(p0: dict, p1: dict, wall: float) -> dict[str, float] | None:
+    """The round's engine steps: their count and mean ms per step of each worker phase
+    (serving/step_profile.py), `engine` = the round's wall time per step less the worker's
+    phases (scheduler, hand-offs, output processing); None for arms on vLLM's own worker."""
+    from dataclasses import fields
+
+    from vllm_onlinespec.serving.step_profile import StepProfile
+
+    if not p0 or not p1:
+        return None
+    d = StepProfile(**{f.name: p1[f.name] - p0[f.name] for f in fields(StepProfile)
+                       if isinstance(p1.get(f.name), int | float)})
+    if d.steps <= 0:
+        return None
+    ms = d.per_step_ms()
+    ms["engine"] = max(0.0, 1e3 * wall / d.steps - sum(ms.values()))
+    return {"steps": d.steps, **{k: round(v, 3) for k, v in ms.items()}}
+
+
+def option_shares(st0, st1) -> dict[str, float] | None:
+    """Share of the round's steps the budget ran each option on (policy/option_choice.py), or
+    None where the budget chose no option."""
+    a, b = st0.cutter.option_steps, st1.cutter.option_steps
+    d = {o: b.get(o, 0) - a.get(o, 0) for o in b}
+    n = sum(d.values())
+    return {o: round(v / n, 4) for o, v in d.items()} if n > 0 else None
+
+
 def round_row(*, spec: RLArmSpec, rd: Round, wall: float, out_tokens: int, c0: dict, c1: dict,
               st0, st1, ours: bool, gap: dict, push_s: float) -> dict:
     """One round's record from vLLM's counters and the worker's stats before and after."""
@@ -208,6 +241,8 @@ def round_row(*, spec: RLArmSpec, rd: Round, wall: float, out_tokens: int, c0: d
             "lookup_rows": lk_rows if ours else None, "lookup_accepted": lk_acc if ours else None,
             "gate_shut_share": _delta_ratio(st1.cutter.gate_shut_steps - st0.cutter.gate_shut_steps,
                                             gates) if ours else None,
+            "option_shares": option_shares(st0, st1) if ours else None,
+            "option_ms_per_token": dict(st1.cutter.option_ms_per_token) if ours else None,
             "learner_updates_round": upd, "learner_updates_gap": int(gap["updates"]),
             "gap_s_used": gap["seconds"], "push_s": push_s,
             "drafter_version": st1.published_version}
@@ -216,7 +251,8 @@ def round_row(*, spec: RLArmSpec, rd: Round, wall: float, out_tokens: int, c0: d
 def run_rounds(spec: RLArmSpec) -> dict:
     from vllm import SamplingParams
 
-    from vllm_onlinespec.bench.arm_process import make_llm, onlinespec_stats, spec_counters
+    from vllm_onlinespec.bench.arm_process import (make_llm, onlinespec_stats, spec_counters,
+                                                   step_profile)
     from vllm_onlinespec.bench.results import ArmSpec
 
     arm = ArmSpec(**spec.arm)
@@ -236,11 +272,11 @@ def run_rounds(spec: RLArmSpec) -> dict:
                 served = rd.version
             params = [SamplingParams(temperature=1.0, top_p=1.0, n=spec.n, seed=s,
                                      max_tokens=spec.max_tokens) for s in rd.seeds]
-            st0, c0 = onlinespec_stats(llm, arm), spec_counters(llm)
+            st0, c0, p0 = onlinespec_stats(llm, arm), spec_counters(llm), step_profile(llm, arm)
             t = time.perf_counter()
             outs = llm.chat(rd.prompts, params, use_tqdm=False)
             wall = time.perf_counter() - t
-            c1, st1 = spec_counters(llm), onlinespec_stats(llm, arm)
+            c1, st1, p1 = spec_counters(llm), onlinespec_stats(llm, arm), step_profile(llm, arm)
             toks = [[list(c.token_ids) for c in sorted(o.outputs, key=lambda c: c.index)]
                     for o in outs]
             gap = {"seconds": 0.0, "updates": 0}
@@ -251,6 +287,7 @@ def run_rounds(spec: RLArmSpec) -> dict:
                             out_tokens=sum(len(x) for p in toks for x in p), ours=ours, gap=gap,
                             push_s=push_s)
             row["learner_gain"] = learner_gain(st2)
+            row["step_ms"] = step_ms(p0, p1, wall)
             res["rows"].append(row)
             res["tokens"].append(toks)
             _save(res, spec.out)

@@ -325,6 +325,11 @@ class OnlineLearner:
     # the learner then takes the cores serving leaves at full share.
     idle_probe: Callable[[], bool] | None = None
 
+    @property
+    def in_update(self) -> bool:
+        """Between taking a batch and its update's end (the gain score included)."""
+        return self._in_update
+
     def _serving_idle(self) -> bool:
         probe = self.idle_probe
         try:

@@ -97,6 +97,7 @@ class OnlineSpecRunnerMixin:
         self._onlinespec_init()
         guard = self._onlinespec_guard
         t0 = time.perf_counter()
+        busy, batch = None, 0  # the learner's state as the step begins (None: no learner)
         with guard(G.EXECUTE_MODEL):
             self._onlinespec_tokens = int(scheduler_output.total_num_scheduled_tokens)
             self._onlinespec_timer.poll()  # earlier steps' GPU spans, now measured
@@ -112,13 +113,16 @@ class OnlineSpecRunnerMixin:
             self._onlinespec_span = self._onlinespec_timer.start()
             if session is not None:
                 session.step_began()  # the learner's idle probe: serving is busy
+                busy = session.learner_busy()
+                if busy is not None:
+                    batch = len(scheduler_output.num_scheduled_tokens)
         try:
             return super().execute_model(scheduler_output, *args, **kwargs)
         finally:
             with guard(G.EXECUTE_MODEL):
-                prof = self._onlinespec_profile
-                prof.steps += 1
-                prof.target_s += time.perf_counter() - t0
+                self._onlinespec_profile.observe_target(
+                    time.perf_counter() - t0, learner_busy=busy, batch_size=batch,
+                    tokens=self._onlinespec_tokens)
 
     def _sample(self, logits, spec_decode_metadata):
         self._onlinespec_init()

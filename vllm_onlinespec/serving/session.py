@@ -172,6 +172,11 @@ class OnlineSession:
         """An engine step starts (execute_model): serving is not idle."""
         self._in_step, self._last_step = True, time.monotonic()
 
+    def learner_busy(self) -> bool | None:
+        """Whether the learner is inside an update now (None: no learner)."""
+        ln = self.learner
+        return None if ln is None else bool(ln.in_update)
+
     def serving_idle(self) -> bool:
         """No engine step ran or is running for pacing.idle_after_s seconds (a server between
         requests, an RL engine between rounds): the learner may take every core then."""

@@ -17,8 +17,10 @@ from __future__ import annotations
 
 import time
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Iterator
+
+from vllm_onlinespec.policy.cycle_overhead import batch_bucket
 
 
 
@@ -31,6 +33,23 @@ class StepProfile:
     ours_s: float = 0.0
     ours_in_sample_tokens_s: float = 0.0  # the part of ours_s that runs inside sample_tokens
     sample_tokens_s: float = 0.0  # the whole sample_tokens call (sample, draft, part of ours)
+    # The target span split by whether the learner was inside an update when the step began,
+    # per batch bucket ("busy@B8" / "idle@B8" -> [steps, target seconds, scheduled tokens]):
+    # what a learner busy beside serving costs a step and a verified token, like for like.
+    learner: dict[str, list[float]] = field(default_factory=dict)
+
+    def observe_target(self, seconds: float, *, learner_busy: bool | None = None,
+                       batch_size: int = 0, tokens: int = 0) -> None:
+        """One execute_model span; learner_busy None: no learner (the split stays empty)."""
+        self.steps += 1
+        self.target_s += seconds
+        if learner_busy is None or batch_size <= 0:
+            return
+        key = f"{'busy' if learner_busy else 'idle'}@B{batch_bucket(batch_size)}"
+        acc = self.learner.setdefault(key, [0, 0.0, 0])
+        acc[0] += 1
+        acc[1] += seconds
+        acc[2] += tokens
 
     @contextmanager
     def ours(self, inside_sample_tokens: bool) -> Iterator[None]:
@@ -52,5 +71,26 @@ class StepProfile:
                 "draft": 1e3 * self.draft_s / n, "ours": 1e3 * self.ours_s / n,
                 "other": 1e3 * max(0.0, other) / n}
 
-    def as_dict(self) -> dict[str, float]:
-        return asdict(self)
+    def learner_cost(self) -> dict[str, float]:
+        """Per batch bucket with both kinds of step: a busy-learner step's target ms per
+        scheduled token over an idle-learner one's ("B8": 1.04), and over every such bucket,
+        weighted by the idle steps ("all"). {} without steps of both kinds."""
+        out: dict[str, float] = {}
+        num = den = 0.0
+        for key, (n_busy, s_busy, t_busy) in self.learner.items():
+            kind, _, bucket = key.partition("@")
+            idle = self.learner.get(f"idle@{bucket}")
+            if kind != "busy" or not idle or not (n_busy and t_busy and idle[0] and idle[2]):
+                continue
+            per_tok_busy, per_tok_idle = s_busy / t_busy, idle[1] / idle[2]
+            if per_tok_idle <= 0:
+                continue
+            out[bucket] = round(per_tok_busy / per_tok_idle, 4)
+            num += idle[0] * per_tok_busy / per_tok_idle
+            den += idle[0]
+        if den:
+            out["all"] = round(num / den, 4)
+        return out
+
+    def as_dict(self) -> dict:
+        return {**asdict(self), "learner_cost": self.learner_cost()}
