@@ -57,6 +57,28 @@ def test_the_choice_follows_a_change():
     assert picks[-40:].count("plain") >= 34
 
 
+def test_exploring_is_spread_by_what_it_costs():
+    """An option x dearer per token than the best runs once in x / regret steps (never more
+    often than the floor), so exploring it costs about `regret` of the serving time; a dearer
+    option that becomes the cheapest is still found within 16 * explore_every steps."""
+    choice = OptionChoice(explore_every=16, regret=0.01)
+    # plain 100 tok/s, tree 90 (11 % dearer: the floor, 32), drafter 50 (2x dearer: 100 steps)
+    table = {"plain": (8, 0.080), "tree": (9, 0.100), "drafter": (8, 0.160)}
+    picks = run(choice, table, 2200)[200:]
+    assert 18 <= picks.count("drafter") <= 22, choice.shares()
+    assert 55 <= picks.count("tree") <= 66, choice.shares()
+    assert choice.interval(100.0, 50.0) == 100 and choice.interval(100.0, 90.0) == 32
+    assert choice.interval(100.0, 1.0) == 256 and choice.interval(100.0, 0.0) == 256
+    # What exploring cost: serving time against running plain on every step, per token.
+    cost = sum(table[o][1] / table[o][0] for o in picks) / (len(picks) * 0.080 / 8)
+    assert cost < 1 + 0.01 + 0.11 / 32 + 0.005, cost
+    # The drafter learns (now 2x cheaper per token than plain): found at its next run.
+    table["drafter"] = (20, 0.100)
+    later = run(choice, table, 300)
+    first = later.index("drafter")
+    assert first <= 100 and later[-100:].count("drafter") >= 90, (first, choice.shares())
+
+
 def test_a_price_holds_only_its_own_options_cycles():
     """Plain cycles are priced by plain cycles: tree cycles that happen to verify nothing must
     not land in the plain price (the defect of the cost-model gate's 'k0' residual)."""

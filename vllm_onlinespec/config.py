@@ -120,9 +120,14 @@ class LengthHeadConfig(_Section):
         "'tree' the lookup's drafts alone, 'drafter' the drafter's blocks beside them; None = "
         "every option the config holds ('tree' needs prompt_lookup); ['drafter'] leaves the "
         "step to the gate's cost model alone")
-    option_explore_every: int = Field(16, ge=2, description="'budget' gate's options: every "
-                                      "this-many-th step runs the option measured longest ago, "
-                                      "so each price stays current (>= 2)")
+    option_explore_every: int = Field(16, ge=2, description="'budget' gate's options: the "
+                                      "options that are not the best run together at most one "
+                                      "step in this many of a batch bucket, each at least once "
+                                      "in 16 times as many, so each price stays current (>= 2)")
+    option_regret: float = Field(0.01, gt=0.0, le=1.0, description="'budget' gate's options: "
+                                 "what exploring one option may cost, as a share of serving "
+                                 "time: an option x more per token than the best runs once in "
+                                 "x / option_regret steps when that is rarer (0 < r <= 1)")
     explore_every: int = Field(32, ge=2, description="'budget' gate: while shut, every this-many"
                                "-th step drafts anyway to keep the estimate current (>= 2)")
     explore_requests: int = Field(2, ge=1, description="'budget' gate: requests whose full draft "

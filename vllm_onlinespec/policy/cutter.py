@@ -74,9 +74,9 @@ class DraftCutter:
             held = getattr(length_cfg, "options", None) or (
                 ["plain", "tree", "drafter"] if lookup else ["plain", "drafter"])
             if held != ["drafter"]:
-                self.options = OptionChoice(tuple(held),
-                                            explore_every=getattr(length_cfg,
-                                                                  "option_explore_every", 16))
+                self.options = OptionChoice(
+                    tuple(held), explore_every=getattr(length_cfg, "option_explore_every", 16),
+                    regret=getattr(length_cfg, "option_regret", 0.01))
         self._next = GateDecision(K, False, "")
         self._base_tokens: int | None = None
         self.price_lookup = getattr(length_cfg, "price_lookup", True)

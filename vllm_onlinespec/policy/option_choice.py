@@ -13,16 +13,22 @@ alone or to plain decoding. This module prices each option by what its cycles me
 produced per second of engine cycle, per batch-size bucket, comparing like with like (only
 cycles without prefill tokens, each labelled with the option whose drafts it verified, its
 drafting time counted to the option that drafted). It picks the option with the best measured
-rate; every `explore_every`-th step in a bucket runs the option measured longest ago instead, so
-every price stays current and a change in the load (or the drafter learning) moves the choice.
-An option with fewer than `min_cycles` measured cycles in a bucket is measured first, in those
-exploring steps; until every option has its cycles the gate's own choice stands.
+rate, and runs each other option now and then so that every price stays current and a change
+in the load (or the drafter learning) moves the choice. Exploring costs what the explored
+option loses against the best, so it is spread by that loss: an option whose cycles cost a
+fraction x more per token than the best's runs once in max(explore_every * (options - 1),
+x / regret) steps of its bucket (at most 16 * explore_every), which keeps each option's
+exploring under `regret` of the serving time (1 %: a drafter at 1.8x the plain price per token,
+as sampled rollouts on a 2-vCPU box measured, runs once in 80 steps instead of once in 32). An option with fewer than
+`min_cycles` measured cycles in a bucket is measured first, every explore_every / 4 steps;
+until every option has its cycles the gate's own choice stands.
 
 Core module: no vLLM import.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from vllm_onlinespec.policy.cycle_overhead import batch_bucket
@@ -38,6 +44,7 @@ class OptionPrice:
     seconds: float = 0.0  # seconds per cycle
     cycles: int = 0
     last: int = 0  # the choice's step counter when this option last ran here
+    seen: int = 0  # ... when its last cycle was measured
 
     @property
     def rate(self) -> float:
@@ -58,8 +65,14 @@ class OptionChoice:
 
     options: tuple[str, ...] = OPTIONS
     explore_every: int = 16
+    regret: float = 0.01  # the serving time each option's exploring may cost, at most
     min_cycles: int = 4
-    half_life_cycles: float = 16.0
+    # A price's memory, in steps of its bucket: the best option's price averages its last ~32
+    # cycles; a cycle of an option explored rarely weighs more (what it cost 100 steps ago says
+    # less about a drafter that has learned since), up to `max_weight`: one noisy cycle never
+    # sets a price alone.
+    half_life_steps: float = 32.0
+    max_weight: float = 0.25
     prices: dict[tuple[str, int], OptionPrice] = field(default_factory=dict)
     chosen: dict[str, int] = field(default_factory=dict)  # steps run per option
     steps: int = 0
@@ -72,9 +85,10 @@ class OptionChoice:
         if unknown or not self.options:
             raise ValueError(f"options must be a non-empty subset of {OPTIONS} (got "
                              f"{list(self.options)})")
-        if self.explore_every < 2 or self.min_cycles < 1 or self.half_life_cycles <= 0:
-            raise ValueError("OptionChoice: want explore_every >= 2, min_cycles >= 1 and "
-                             "half_life_cycles > 0")
+        if (self.explore_every < 2 or self.min_cycles < 1 or self.half_life_steps <= 0
+                or not 0 < self.regret <= 1):
+            raise ValueError("OptionChoice: want explore_every >= 2, min_cycles >= 1, "
+                             "half_life_steps > 0 and 0 < regret <= 1")
         self.chosen = {o: self.chosen.get(o, 0) for o in self.options}
 
     def price(self, option: str, batch_size: int) -> OptionPrice:
@@ -94,21 +108,40 @@ class OptionChoice:
         rates = ", ".join(f"{o} {prices[o].rate:.1f}" + ("" if prices[o].cycles >= self.min_cycles
                                                           else f" ({prices[o].cycles} cycles)")
                           for o in self.options)
-        # Unmeasured options are measured 4x as often: a new bucket has prices within
-        # ~4 * min_cycles * explore_every / 4 steps.
-        every = self.explore_every if measured else max(2, self.explore_every // 4)
-        if len(self.options) > 1 and n % every == 0:
-            others = [o for o in self.options if o != best]
+        others = [o for o in self.options if o != best]
+        if not measured:
+            # Unmeasured options are measured 4x as often: a new bucket has prices within
+            # ~4 * min_cycles * explore_every / 4 steps.
+            every = max(2, self.explore_every // 4)
             unmeasured = [o for o in others if prices[o].cycles < self.min_cycles]
-            if unmeasured:  # the least measured first
+            if unmeasured and n % every == 0:  # the least measured first
                 pick = min(unmeasured, key=lambda o: (prices[o].cycles, prices[o].last))
-            else:  # the one whose price is oldest
-                pick = min(others, key=lambda o: prices[o].last)
-            return self._run(pick, b, True, f"options at B<={b}: explore {pick} (1 step in "
-                                            f"{every}); measured tok/s {rates}")
+                return self._run(pick, b, True, f"options at B<={b}: explore {pick} (1 step in "
+                                                f"{every} until measured); measured tok/s {rates}")
+        else:
+            due = {o: n - prices[o].last - self.interval(prices[best].rate, prices[o].rate)
+                   for o in others}
+            due = {o: late for o, late in due.items() if late >= 0}
+            if due:  # the most overdue
+                pick = max(due, key=lambda o: (due[o], -prices[o].last))
+                every = self.interval(prices[best].rate, prices[pick].rate)
+                return self._run(pick, b, True, f"options at B<={b}: explore {pick} (1 step in "
+                                                f"{every}); measured tok/s {rates}")
         why = "best measured" if measured else "the gate's pick until every option is measured"
         return self._run(best, b, False, f"options at B<={b}: {best} ({why}); measured tok/s "
                                          f"{rates}")
+
+    def interval(self, best_rate: float, rate: float) -> int:
+        """Steps between two exploring runs of an option measured at `rate` tokens/s where the
+        best runs at `best_rate`: its loss per token over `regret`, within [explore_every *
+        (options - 1), 16 * explore_every] (so all of them together explore at most one step in
+        explore_every)."""
+        lo = self.explore_every * max(1, len(self.options) - 1)
+        cap = max(lo, 16 * self.explore_every)
+        if rate <= 0:
+            return cap
+        loss = max(0.0, best_rate / rate - 1.0)
+        return int(min(cap, max(lo, math.ceil(loss / self.regret))))
 
     def _run(self, option: str, bucket: int, explore: bool, reason: str) -> OptionDecision:
         self.chosen[option] += 1
@@ -121,7 +154,9 @@ class OptionChoice:
         if option not in self.options or batch_size <= 0 or not seconds > 0 or tokens < 0:
             return
         p = self.price(option, batch_size)
-        d = 0.5 ** (1.0 / self.half_life_cycles)
+        now = self.bucket_steps.get(batch_bucket(batch_size), 0)
+        d = max(0.5 ** (max(1, now - p.seen) / self.half_life_steps), 1.0 - self.max_weight)
+        p.seen = now
         if p.cycles == 0:
             p.tokens, p.seconds = float(tokens), float(seconds)
         else:
