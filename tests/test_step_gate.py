@@ -270,3 +270,30 @@ def test_cycle_overhead_clips_idle_gaps_and_buckets_batch_sizes():
     assert o.get(False, 32) == pytest.approx(0.002)  # nearest measured bucket of its kind
     assert o.get(True, 1) == pytest.approx(0.05)
     assert CycleOverhead().get(True, 4) == 0.0  # nothing measured: the model alone
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_plans_by_length_is_the_budgets_plan_at_every_length(seed):
+    """The gate's one-pass plans equal budget.plan over the first k positions of B equal rows,
+    for every k (tokens, rate and the no-draft step), on random acceptance, costs and extras."""
+    from vllm_onlinespec.policy.budget import plan
+    from vllm_onlinespec.policy.step_gate import plans_by_length
+
+    rng = np.random.default_rng(seed)
+    Kx, B = int(rng.integers(1, 17)), int(rng.integers(1, 33))
+    rates = rng.uniform(0, 1, Kx) ** rng.uniform(0.2, 3)
+    if seed == 0:
+        rates[:] = 0.0  # nothing pays: every length verifies nothing
+    cm = StepCostModel(a=rng.uniform(0.005, 0.1), b=rng.uniform(1e-5, 5e-3), half_life=None,
+                       prior_weight=1e6)
+    base = B + int(rng.integers(0, 64))
+    extras = rng.uniform(0, 0.05, Kx)
+    scale = float(rng.uniform(0.5, 2))
+    got = plans_by_length(rates, B, base, cm, extras, cost_scale=scale)
+    p = np.broadcast_to(rates[None, :], (B, Kx))
+    for k in range(1, Kx + 1):
+        a = plan(p[:, :k], base, cm, k_min=0, K=k, cost_scale=scale, extra_s=extras[k - 1])
+        want_rate = a.expected_tokens / a.step_s if a.tokens else 0.0
+        assert got[k - 1].tokens == a.tokens
+        assert got[k - 1].rate == pytest.approx(want_rate, rel=1e-12, abs=1e-12)
+        assert got[k - 1].floor_s == pytest.approx(a.min_step_s - extras[k - 1], rel=1e-12)

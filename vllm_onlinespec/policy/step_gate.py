@@ -32,7 +32,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from vllm_onlinespec.policy.budget import StepCostModel, plan
+from vllm_onlinespec.policy.budget import StepCostModel
 from vllm_onlinespec.policy.cycle_overhead import CycleOverhead
 from vllm_onlinespec.policy.verify_length import AcceptanceStats
 
@@ -52,6 +52,45 @@ class GateDecision:
     @property
     def draft(self) -> bool:
         return self.k > 0
+
+
+@dataclass(frozen=True)
+class LengthPlan:
+    """The budget's best verify plan when every request drafts k tokens (plans_by_length)."""
+    tokens: int  # draft tokens verified
+    rate: float  # expected tokens per second of the step (0 when nothing is verified)
+    floor_s: float  # the target step with no draft verified
+
+
+def plans_by_length(rates: np.ndarray, B: int, base: int, cost_model: StepCostModel,
+                    extras: np.ndarray, *, cost_scale: float = 1.0) -> list[LengthPlan]:
+    """`budget.plan` for B requests sharing the per-position acceptance `rates`, at every draft
+    length k = 1..len(extras) (extras[k-1]: the seconds drafting at k adds), in one pass.
+
+    Why one pass is the same: with equal rows the gains sorted in descending order are each
+    position's cumulative acceptance repeated B times (it never increases along the draft), so
+    the plan at length k searches the first k * B of the same sorted gains; only the step's
+    extra seconds differ. Same sums in the same order as plan(): the same numbers, ~10x fewer
+    Python calls (the gate decides every engine step)."""
+    K = len(extras)
+    g = np.cumprod(np.clip(np.asarray(rates, dtype=np.float64)[:K], 0.0, 1.0))
+    desc = np.repeat(g, B)
+    S = np.concatenate([[0.0], np.cumsum(desc)])
+    m_all = np.arange(len(S), dtype=np.float64)
+    t_base = cost_model.predict(float(base))
+    added = cost_model.predict(base + m_all) - t_base
+    T = np.maximum(t_base + extras[:, None] + cost_scale * added[None, :], 1e-12)
+    score = (float(B) + S)[None, :] / T
+    score[m_all[None, :] > (np.arange(1, K + 1) * B)[:, None]] = -np.inf
+    best = score.max(axis=1, keepdims=True)
+    # Smallest m within rounding of the best: a zero-gain token must not win on float noise.
+    m = np.argmax(score >= best - 1e-12 * np.maximum(1.0, np.abs(best)), axis=1)
+    out = []
+    for k in range(K):
+        mk = int(m[k])
+        rate = (B + S[mk]) / T[k, mk] if mk else 0.0
+        out.append(LengthPlan(tokens=mk, rate=float(rate), floor_s=float(T[k, 0] - extras[k])))
+    return out
 
 
 class DraftTimer:
@@ -116,19 +155,17 @@ class StepGate:
             n = 0 if stats is None else stats.n_obs
             return self._set(GateDecision(self.K, False, f"gate: open, learning acceptance "
                                                          f"({n}/{self.min_obs} requests seen)"))
-        p = np.broadcast_to(stats._rates()[None, : self.K], (B, self.K))
         # The best draft length: DFlash drafts one block shape per batch, so k is the batch's;
         # each k's verify plan is the budget's exact allocation over the first k positions.
-        best_k, rate_spec, best, floor_s = 0, 0.0, None, 0.0
         over_spec, over_plain = self.overhead.get(True, B), self.overhead.get(False, B)
-        for k in range(1, self.K + 1):
-            extra = self.timer.get(k, self.K) + over_spec
-            a = plan(p[:, :k], base, self.cost_model, k_min=0, K=k, cost_scale=1.0 / self.rho,
-                     extra_s=extra)
-            floor_s = a.min_step_s - extra  # the target step with no draft verified
-            rate = a.expected_tokens / a.step_s if a.tokens else 0.0
-            if rate > rate_spec:
-                best_k, rate_spec, best = k, rate, a
+        extras = np.array([self.timer.get(k, self.K) + over_spec for k in range(1, self.K + 1)])
+        plans = plans_by_length(stats._rates()[: self.K], B, base, self.cost_model, extras,
+                                cost_scale=1.0 / self.rho)
+        best_k, rate_spec, best = 0, 0.0, None
+        for k, a in enumerate(plans, start=1):
+            if a.rate > rate_spec:
+                best_k, rate_spec, best = k, a.rate, a
+        floor_s = plans[-1].floor_s  # the target step with no draft verified
         self.best_k = best_k
         t_plain_draft = self.timer.get(0, self.K)
         rate_plain = B / max(floor_s + t_plain_draft + over_plain, 1e-9)
