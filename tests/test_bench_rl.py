@@ -315,3 +315,23 @@ def test_round_rows_carry_the_budgets_options_and_the_step_profile():
     assert got["draft"] == pytest.approx(20.0) and got["other"] == pytest.approx(8.0)
     assert got["engine"] == pytest.approx(300.0 - 100 - 10 - 20 - 5 - 8)
     assert step_ms({}, {}, 3.0) is None
+
+
+def test_the_report_says_where_the_engine_steps_went():
+    """Per arm and order: steps per round, step-weighted ms per phase, the budget's option
+    shares; arms without a step profile (vLLM's own) are left out."""
+    from vllm_onlinespec.bench.rl import steps_lines
+
+    def row(label, order, steps, target, shares):
+        ms = {"steps": steps, "target": target, "sample": 2.0, "draft": 1.0, "ours": 0.5,
+              "other": 0.3, "engine": 2.0}
+        return {"label": label, "order": order, "step_ms": ms, "option_shares": shares}
+
+    rows = [row("frozen", 0, 100, 100.0, {"plain": 1.0, "tree": 0.0, "drafter": 0.0}),
+            row("frozen", 0, 300, 120.0, {"plain": 0.5, "tree": 0.5, "drafter": 0.0}),
+            {"label": "nospec", "order": 0, "step_ms": None}]
+    lines = steps_lines(rows)
+    assert lines[-1] == ("| frozen | 0 | 200 | 115.00 | 2.00 | 1.00 | 0.50 | 0.30 | 2.00 | "
+                         "0.62 / 0.38 / 0.00 |")
+    assert not any("nospec" in ln for ln in lines)
+    assert steps_lines([{"label": "nospec", "order": 0}]) == []

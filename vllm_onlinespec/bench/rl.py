@@ -488,6 +488,40 @@ def summary_lines(s: dict) -> list[str]:
     return lines
 
 
+STEP_COLUMNS = ("target", "sample", "draft", "ours", "other", "engine")
+
+
+def steps_lines(rows: Sequence[dict]) -> list[str]:
+    """Per arm and order over all rounds: engine steps per round, ms per step of each phase
+    (step-weighted), and the share of steps the budget ran each option on; [] when no row of
+    ours has a step profile."""
+    keys = list(dict.fromkeys((r["label"], r["order"]) for r in rows if r.get("step_ms")))
+    if not keys:
+        return []
+    out = ["", "## Where the engine steps went (all rounds)", "",
+           "ms per engine step from the worker's timers (serving/step_profile.py; `engine` = "
+           "wall time per step less the worker's phases); the budget's choice per step "
+           "(policy/option_choice.py).", "",
+           "| arm | order | steps per round | " + " | ".join(STEP_COLUMNS)
+           + " | plain / tree / drafter steps |", "|---|---|---|" + "---|" * len(STEP_COLUMNS)
+           + "---|"]
+    for label, order in keys:
+        mine = [r for r in rows if (r["label"], r["order"]) == (label, order) and r.get("step_ms")]
+        steps = sum(r["step_ms"]["steps"] for r in mine)
+        ms = {c: sum(r["step_ms"][c] * r["step_ms"]["steps"] for r in mine) / steps
+              for c in STEP_COLUMNS}
+        n_opt: dict[str, float] = {}
+        for r in mine:
+            for o, share in (r.get("option_shares") or {}).items():
+                n_opt[o] = n_opt.get(o, 0.0) + share * r["step_ms"]["steps"]
+        total = sum(n_opt.values())
+        opts = (" / ".join(f"{n_opt.get(o, 0.0) / total:.2f}" for o in ("plain", "tree", "drafter"))
+                if total else "-")
+        out.append(f"| {label} | {order} | {steps / len(mine):.0f} | "
+                   + " | ".join(f"{ms[c]:.2f}" for c in STEP_COLUMNS) + f" | {opts} |")
+    return out
+
+
 def markdown(data: dict, name: str = RESULT_NAME) -> list[str]:
     s, meta = data["summary"], data["meta"]
     lines = ["# RL rollouts: speculative decoding while the policy changes every round", "",
@@ -511,6 +545,7 @@ def markdown(data: dict, name: str = RESULT_NAME) -> list[str]:
                      f"{_f(r['gate_shut_share'])} | {r['learner_updates_round']}+"
                      f"{r['learner_updates_gap']} | {_f(r['gap_s_used'], '.1f')} | "
                      f"{_f(r['wall_s'], '.1f')} |")
+    lines += steps_lines(data["rows"])
     if meta.get("verdict"):
         lines += ["", "## Verdict", "", *meta["verdict"]]
     if meta.get("box"):
