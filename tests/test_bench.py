@@ -441,3 +441,10 @@ def test_step_profile_splits_the_target_span_by_the_learners_state():
     assert cost == {"B8": pytest.approx(1.1), "all": pytest.approx(1.1)}
     assert p.as_dict()["learner_cost"] == cost
     assert StepProfile().learner_cost() == {}
+    # By the budget's option the step verified, prefill steps apart.
+    p.observe_target(0.2, option="tree@B16", tokens=40)
+    p.observe_target(0.5, option="tree@B16+prefill", tokens=300)
+    p.observe_target(0.3, option="tree@B16", tokens=44)
+    assert p.options == {"tree@B16": [2, pytest.approx(0.5), 84],
+                         "tree@B16+prefill": [1, pytest.approx(0.5), 300]}
+    assert p.steps == 12

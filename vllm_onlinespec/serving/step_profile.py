@@ -24,6 +24,13 @@ from vllm_onlinespec.policy.cycle_overhead import batch_bucket
 
 
 
+def _add(split: dict[str, list[float]], key: str, seconds: float, tokens: int) -> None:
+    acc = split.setdefault(key, [0, 0.0, 0])
+    acc[0] += 1
+    acc[1] += seconds
+    acc[2] += tokens
+
+
 @dataclass
 class StepProfile:
     steps: int = 0
@@ -37,19 +44,22 @@ class StepProfile:
     # per batch bucket ("busy@B8" / "idle@B8" -> [steps, target seconds, scheduled tokens]):
     # what a learner busy beside serving costs a step and a verified token, like for like.
     learner: dict[str, list[float]] = field(default_factory=dict)
+    # The same span by the budget's option the step verified (policy/option_choice.py), its
+    # batch bucket and whether prefill shared the step ("tree@B16+prefill" -> [steps, target
+    # seconds, scheduled tokens]): what each option's steps cost, prefill steps included.
+    options: dict[str, list[float]] = field(default_factory=dict)
 
     def observe_target(self, seconds: float, *, learner_busy: bool | None = None,
-                       batch_size: int = 0, tokens: int = 0) -> None:
-        """One execute_model span; learner_busy None: no learner (the split stays empty)."""
+                       batch_size: int = 0, tokens: int = 0, option: str | None = None) -> None:
+        """One execute_model span; learner_busy None: no learner (that split stays empty);
+        option: the budget's option the step verified, as "tree@B16" (+"+prefill")."""
         self.steps += 1
         self.target_s += seconds
-        if learner_busy is None or batch_size <= 0:
-            return
-        key = f"{'busy' if learner_busy else 'idle'}@B{batch_bucket(batch_size)}"
-        acc = self.learner.setdefault(key, [0, 0.0, 0])
-        acc[0] += 1
-        acc[1] += seconds
-        acc[2] += tokens
+        if option is not None:
+            _add(self.options, option, seconds, tokens)
+        if learner_busy is not None and batch_size > 0:
+            _add(self.learner, f"{'busy' if learner_busy else 'idle'}@B{batch_bucket(batch_size)}",
+                 seconds, tokens)
 
     @contextmanager
     def ours(self, inside_sample_tokens: bool) -> Iterator[None]:
