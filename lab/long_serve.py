@@ -116,6 +116,8 @@ def markdown(data: dict, command: str) -> list[str]:
                   "|---|---|---|---|---|---|"]
         for s in opt:
             for key, (n, sec, tok) in sorted(s["option_steps"].items(), key=lambda kv: -kv[1][0]):
+                # A run before the label fix recorded steps without an option as true / false.
+                key = key if "@" in key else "(no option: the gate's own exploring or warm-up)"
                 lines.append(f"| {s['protocol']} | {s['arm']} | {key} | {n} | "
                              f"{1e3 * sec / n:.1f} | {tok / n:.1f} |")
     lines += ["", "## Windows (an eighth of each stream by finish time)", "",

@@ -99,7 +99,7 @@ class OnlineSpecRunnerMixin:
         guard = self._onlinespec_guard
         t0 = time.perf_counter()
         busy, batch = None, 0  # the learner's state as the step begins (None: no learner)
-        verifies = None  # "tree@B16" (+prefill): the budget's option this step verifies
+        label = None  # "tree@B16" (+prefill): the budget's option this step verifies
         with guard(G.EXECUTE_MODEL):
             self._onlinespec_tokens = int(scheduler_output.total_num_scheduled_tokens)
             self._onlinespec_timer.poll()  # earlier steps' GPU spans, now measured
@@ -113,7 +113,7 @@ class OnlineSpecRunnerMixin:
                                                 verifies_drafter=verifies, option=option,
                                                 prev_draft_s=prev_draft_s, decode_only=base == B)
                 if option is not None:
-                    verifies = f"{option}@B{batch_bucket(B)}" + ("" if base == B else "+prefill")
+                    label = f"{option}@B{batch_bucket(B)}" + ("" if base == B else "+prefill")
             self._onlinespec_span = self._onlinespec_timer.start()
             if session is not None:
                 session.step_began()  # the learner's idle probe: serving is busy
@@ -126,7 +126,7 @@ class OnlineSpecRunnerMixin:
             with guard(G.EXECUTE_MODEL):
                 self._onlinespec_profile.observe_target(
                     time.perf_counter() - t0, learner_busy=busy, batch_size=batch,
-                    tokens=self._onlinespec_tokens, option=verifies)
+                    tokens=self._onlinespec_tokens, option=label)
 
     def _sample(self, logits, spec_decode_metadata):
         self._onlinespec_init()
