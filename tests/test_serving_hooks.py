@@ -641,6 +641,10 @@ def test_each_cycle_prices_the_option_it_verified_with_that_options_drafting_tim
     # drafting), 2 the tree's (0 + 0.005), 3 has prefill, 4 verifies cycle 3's drafter drafts.
     assert priced == [("drafter", 2, 12, 0.125), ("tree", 2, 12, 0.105),
                       ("drafter", 2, 12, 0.135)]
+    # The step profile splits the target span by what each step verified (cycle 0 and the
+    # steps before any choice: no option), prefill apart.
+    assert {k: v[0] for k, v in r.onlinespec_profile().options.items()} == {
+        "drafter@B2": 2, "tree@B2": 2, "plain@B2+prefill": 1}
 
 
 def test_draft_confidence_reads_the_logits_vllms_drafter_computes():
