@@ -19,7 +19,11 @@ arms run once per order and gap.
 
 Arms (bench/arm_catalog.py): nospec, vllm-suffix, vllm-ngram (vLLM's prompt lookup, the
 catalog's `ngram`), frozen (the `cpu` preset with learning off), online (the `cpu` preset,
-learning: the catalog's `online-ogd`), or any other catalog arm.
+learning: the catalog's `online-ogd`), or any other catalog arm. The same seeds give the same
+tokens in every arm of ours (drafter-invariant verification: the text depends on the seed and
+the policy only), but not in vLLM's arms (vLLM's seeded sampler and rejection sampling draw other
+tokens), so their rounds serve other text with other tails; `k0` (this worker drafting nothing)
+is plain decoding on our arms' text.
 
 Per round and arm: wall_s, tok_s (output tokens / wall_s), accept_len ((accepted + drafts) /
 drafts from vLLM's counters), drafter_accept (accepted tokens per request-step that verified the
@@ -532,7 +536,10 @@ def markdown(data: dict, name: str = RESULT_NAME) -> list[str]:
              f"{meta['max_tokens']} tokens max, temperature 1, top-p 1, seeded; "
              f"{meta['rounds']} rounds; orders: forward, reversed",
              f"- push: {meta['push']}; gaps: {', '.join(f'{g:g} s' for g in meta['gaps'])}",
-             f"- wall time of the whole run: {meta['wall_s']:.0f} s", "",
+             f"- wall time of the whole run: {meta['wall_s']:.0f} s",
+             "- the same seeds give the same text in every arm of ours, other text in vLLM's "
+             "arms (nospec, vllm-*: vLLM's own seeded sampling); `k0` is plain decoding on our "
+             "arms' text", "",
              "## Last half of the rounds (median over orders)", "", *summary_lines(s),
              "", "## Rounds", "",
               "| arm | order | round | version | tok/s | accept len | drafter accept | gate shut "
