@@ -44,7 +44,6 @@ class OptionPrice:
     seconds: float = 0.0  # seconds per cycle
     cycles: int = 0
     last: int = 0  # the choice's step counter when this option last ran here
-    seen: int = 0  # ... when its last cycle was measured
 
     @property
     def rate(self) -> float:
@@ -67,12 +66,7 @@ class OptionChoice:
     explore_every: int = 16
     regret: float = 0.01  # the serving time each option's exploring may cost, at most
     min_cycles: int = 4
-    # A price's memory, in steps of its bucket: the best option's price averages its last ~32
-    # cycles; a cycle of an option explored rarely weighs more (what it cost 100 steps ago says
-    # less about a drafter that has learned since), up to `max_weight`: one noisy cycle never
-    # sets a price alone.
-    half_life_steps: float = 32.0
-    max_weight: float = 0.25
+    half_life_cycles: float = 16.0
     prices: dict[tuple[str, int], OptionPrice] = field(default_factory=dict)
     chosen: dict[str, int] = field(default_factory=dict)  # steps run per option
     steps: int = 0
@@ -85,10 +79,10 @@ class OptionChoice:
         if unknown or not self.options:
             raise ValueError(f"options must be a non-empty subset of {OPTIONS} (got "
                              f"{list(self.options)})")
-        if (self.explore_every < 2 or self.min_cycles < 1 or self.half_life_steps <= 0
+        if (self.explore_every < 2 or self.min_cycles < 1 or self.half_life_cycles <= 0
                 or not 0 < self.regret <= 1):
             raise ValueError("OptionChoice: want explore_every >= 2, min_cycles >= 1, "
-                             "half_life_steps > 0 and 0 < regret <= 1")
+                             "half_life_cycles > 0 and 0 < regret <= 1")
         self.chosen = {o: self.chosen.get(o, 0) for o in self.options}
 
     def price(self, option: str, batch_size: int) -> OptionPrice:
@@ -154,9 +148,7 @@ class OptionChoice:
         if option not in self.options or batch_size <= 0 or not seconds > 0 or tokens < 0:
             return
         p = self.price(option, batch_size)
-        now = self.bucket_steps.get(batch_bucket(batch_size), 0)
-        d = max(0.5 ** (max(1, now - p.seen) / self.half_life_steps), 1.0 - self.max_weight)
-        p.seen = now
+        d = 0.5 ** (1.0 / self.half_life_cycles)
         if p.cycles == 0:
             p.tokens, p.seconds = float(tokens), float(seconds)
         else:
