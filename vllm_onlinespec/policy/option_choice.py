@@ -19,9 +19,9 @@ option loses against the best, so it is spread by that loss: an option whose cyc
 fraction x more per token than the best's runs once in max(explore_every * (options - 1),
 x / regret) steps of its bucket (at most 16 * explore_every), which keeps each option's
 exploring under `regret` of the serving time (1 %: a drafter at 1.8x the plain price per token,
-as sampled rollouts on a 2-vCPU box measured, runs once in 80 steps instead of once in 32). An option with fewer than
-`min_cycles` measured cycles in a bucket is measured first, every explore_every / 4 steps;
-until every option has its cycles the gate's own choice stands.
+as sampled rollouts on a 2-vCPU box measured, runs once in 80 steps instead of once in 32). An
+option with fewer than `min_cycles` measured cycles in a bucket is measured first, every
+explore_every / 4 steps; until every option has its cycles the gate's own choice stands.
 
 Core module: no vLLM import.
 """
