@@ -21,17 +21,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from vllm_onlinespec.bench.results import percentile as pct  # noqa: E402
 from vllm_onlinespec.bench.results import write_result_files  # noqa: E402
 
 WINDOWS = 8
-
-
-def pct(xs: list[float], q: float) -> float | None:
-    xs = sorted(x for x in xs if x is not None)
-    if not xs:
-        return None
-    i = min(len(xs) - 1, max(0, round(q * (len(xs) - 1))))
-    return xs[i]
 
 
 def window_rows(protocol: str, arm: dict, windows: int = WINDOWS) -> list[dict]:

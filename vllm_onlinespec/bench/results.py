@@ -10,6 +10,7 @@ import json
 import os
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
+from collections.abc import Sequence
 from typing import Any
 
 from vllm_onlinespec.serving_dtype import AUTO, resolve_dtype
@@ -215,6 +216,14 @@ def _jsonable(x: Any) -> Any:
         return float(x)
     except (TypeError, ValueError):
         return str(x)
+
+
+def percentile(xs: Sequence[float | None], q: float) -> float | None:
+    """Nearest-rank q-quantile of the values given (None ignored); None when there are none."""
+    xs = sorted(x for x in xs if x is not None)
+    if not xs:
+        return None
+    return xs[min(len(xs) - 1, int(round(q * (len(xs) - 1))))]
 
 
 def write_result_files(out: str | os.PathLike, name: str, md_lines: list[str], data: Any,

@@ -32,9 +32,7 @@ gate_shut_share (share of the budget's gated steps it shut), option_shares (shar
 steps the budget ran plain / tree / drafter on) and option_ms_per_token (what each option's
 measured cycles cost per produced token, by batch bucket, at the round's end), step_ms (the
 round's engine steps and ms per step of each worker phase, serving/step_profile.py), learner
-updates
-during the round
-and the gap, gap_s_used, push_s, learner_gain (the learner's own paired estimate after the gap:
+updates during the round and the gap, gap_s_used, push_s, learner_gain (the learner's own paired estimate after the gap:
 accepted draft tokens per block, current minus start weights on the same verified text). The report (<out>/rl_rollouts.{json,md,png}) gives per arm the
 median over orders of the last half of the rounds, and online / frozen and online / vllm-suffix.
 
@@ -64,6 +62,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from vllm_onlinespec.bench.arm_process import PROGRESS_TAG, progress
+from vllm_onlinespec.bench.report import STEP_PHASES
 from vllm_onlinespec.training.prompt_sets import GSM8K_SERVED
 
 DEFAULT_ARMS = "nospec,vllm-suffix,vllm-ngram,frozen,online"
@@ -492,7 +491,7 @@ def summary_lines(s: dict) -> list[str]:
     return lines
 
 
-STEP_COLUMNS = ("target", "sample", "draft", "ours", "other", "engine")
+STEP_COLUMNS = (*STEP_PHASES, "engine")
 
 
 def steps_lines(rows: Sequence[dict]) -> list[str]:

@@ -38,6 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from vllm_onlinespec.bench.concurrency import SERVED_NAME, free_port, scrape, wait_healthy
+from vllm_onlinespec.bench.results import percentile
 
 # Weights of the well-formed kinds (out of 20).
 KINDS: dict[str, int] = {"greedy": 5, "sampled": 3, "seeded": 3, "n2": 2, "long": 1, "stream": 4,
@@ -424,13 +425,6 @@ def greedy_reference(records: list[Record], targets: dict[str, str], max_tokens:
     return out
 
 
-def _pct(xs: list[float], q: float) -> float | None:
-    if not xs:
-        return None
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(round(q * (len(xs) - 1))))]
-
-
 def per_minute(soak: Soak) -> list[dict]:
     rows = []
     for m in range(int(max(1.0, soak.duration_s) // 60 + (soak.duration_s % 60 > 0))):
@@ -447,7 +441,7 @@ def per_minute(soak: Soak) -> list[dict]:
             "statuses": {str(k): v for k, v in Counter(r.status for r in done).items()},
             "tok_s": round(sum(r.tokens for r in done if not r.malformed)
                            / (min(hi, soak.duration_s) - lo), 2),
-            "tpot_p50_ms": _pct(tpots, 0.5), "tpot_p99_ms": _pct(tpots, 0.99),
+            "tpot_p50_ms": percentile(tpots, 0.5), "tpot_p99_ms": percentile(tpots, 0.99),
             "rss_mb": {k: round(v, 1) for k, v in last.rss_mb.items()} if last else {},
             **({k: last.metrics.get(k) for k in METRICS} if last else {})})
     return rows

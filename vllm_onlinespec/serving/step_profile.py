@@ -23,7 +23,6 @@ from typing import Iterator
 from vllm_onlinespec.policy.cycle_overhead import batch_bucket
 
 
-
 def _add(split: dict[str, list[float]], key: str, seconds: float, tokens: int) -> None:
     acc = split.setdefault(key, [0, 0.0, 0])
     acc[0] += 1
