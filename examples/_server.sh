@@ -2,8 +2,14 @@
 #   start_server ADDITIONAL_CONFIG_JSON [extra `vllm serve` flags]
 # Env: PORT, DRAFTER (default: the shipped drafter, see _drafter.py), K, LOG. Sets TARGET, DRAFTER, SERVER (pid); stops
 # the server on exit (SIGINT, so the learner writes its final checkpoint).
+# A vLLM server already healthy on PORT is used as it is (started and stopped by whoever started
+# it), so several examples can share one: `source _server.sh; start_server ...; ./serve_openai.sh`.
 start_server() {
   TARGET=$(vllm-onlinespec model path smollm2-135m)
+  if curl -sf "http://127.0.0.1:$PORT/health" >/dev/null 2>&1; then
+    echo "using the vllm server already on port $PORT (not started here; its own flags stand)"
+    return 0
+  fi
   vllm-onlinespec model pull smollm2-135m >/dev/null
   DRAFTER=${DRAFTER:-$(python _drafter.py)}
   local k engine_args

@@ -17,7 +17,7 @@ source _server.sh
 start_server '{"onlinespec": {"preset": "cpu"}}' \
   --worker-cls vllm_onlinespec.SpecDecodeWorker
 python openai_client.py --base-url "http://127.0.0.1:$PORT" --max-tokens "$MAX_TOKENS"
-if [ -n "${KEEP:-}" ]; then
+if [ -n "${KEEP:-}" ] && [ -n "${SERVER:-}" ]; then
   echo "serving on http://127.0.0.1:$PORT/v1 (Ctrl-C to stop)"
   wait $SERVER
 fi

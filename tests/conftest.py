@@ -113,8 +113,9 @@ def _engine_core_in_this_process(request):
     """Modules marked `engine_in_process` build their `LLM(...)` engines with vLLM's in-process
     engine core and worker (VLLM_ENABLE_V1_MULTIPROCESSING=0): on CPU vLLM otherwise spawns two
     processes that each import vLLM again, ~20 s of every engine's start. The plugin's code is
-    the same either way; the multiprocess layout users run is what every subprocess test (`vllm
-    serve`, the examples, the wheel, the benchmarks' arms) and the tensor-parallel test start."""
+    the same either way; the multiprocess layout users run is what every `vllm serve` test (the
+    shell examples, the wheel's soak), the engine-loop module and the
+    tensor-parallel test start."""
     if request.node.get_closest_marker("engine_in_process") is None:
         yield
         return

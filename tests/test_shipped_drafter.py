@@ -11,6 +11,9 @@ import torch
 from vllm_onlinespec import models
 from vllm_onlinespec.drafter import load_drafter
 
+# The engine test runs vLLM's in-process engine core (conftest: ~20 s less per start).
+pytestmark = pytest.mark.engine_in_process
+
 MAX_BYTES = 40 * 2**20  # the 3-layer drafter is 33 MB in bf16
 
 
