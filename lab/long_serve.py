@@ -8,6 +8,10 @@ and what a busy learner cost the steps it overlapped (serving/step_profile.py's 
 
     python lab/long_serve.py --run poisson=runs/long/poisson --run saturation=runs/long/sat \
         --out runs/long --publish docs/results
+
+`--keep docs/results/long_serve.json` carries the runs of an earlier page (a protocol run again
+in the other arm order, PROTOCOL-reversed, sits beside its first order). Per run the page gives
+online / frozen on the same arrivals: the ratio that run measured, never one across runs.
 """
 
 from __future__ import annotations
@@ -76,6 +80,27 @@ def summary(protocol: str, arm: dict) -> dict:
                                             if k != "all"} if prof else None}
 
 
+def ratios(summary: list[dict]) -> list[dict]:
+    """Per protocol run: the learning arm over the frozen one on the same arrivals."""
+    out = []
+    for proto in dict.fromkeys(s["protocol"] for s in summary):
+        arms = {s["arm"]: s for s in summary if s["protocol"] == proto}
+        on = next((s for a, s in arms.items() if a.startswith("online")), None)
+        fr = arms.get("frozen")
+        if not (on and fr):
+            continue
+
+        def r(key):
+            return on[key] / fr[key] if on.get(key) and fr.get(key) else None
+
+        out.append({"protocol": proto, "arms": f"{on['arm']} / frozen",
+                    "tok_s": r("tok_s"), "tpot_p50": r("tpot_p50_ms"),
+                    "last_quarter_tpot_p50": r("last_quarter_tpot_p50_ms"),
+                    "last_quarter_tok_s": r("last_quarter_tok_s"),
+                    "last_quarter_accept_len": r("last_quarter_accept_len")})
+    return out
+
+
 def _f(x, fmt=".1f"):
     return "-" if x is None else format(x, fmt)
 
@@ -100,6 +125,15 @@ def markdown(data: dict, command: str) -> list[str]:
             f"{_f(s['steps_begun_in_an_update'], 'd') if s['steps_begun_in_an_update'] is not None else '-'}"
             f" of {_f(s['steps'], 'd') if s['steps'] else '-'} | "
             + (f"{s['learner_step_cost']:.3f}x |" if s["learner_step_cost"] is not None else "- |"))
+    if data.get("ratios"):
+        lines += ["", "## Online over frozen, per run (same arrivals)", "",
+                  "| protocol | arms | tok/s | TPOT p50 | last quarter TPOT p50 | last quarter "
+                  "tok/s | last quarter accept len |", "|---|---|---|---|---|---|---|"]
+        for r in data["ratios"]:
+            lines.append(f"| {r['protocol']} | {r['arms']} | {_f(r['tok_s'], '.3f')} | "
+                         f"{_f(r['tpot_p50'], '.3f')} | {_f(r['last_quarter_tpot_p50'], '.3f')} | "
+                         f"{_f(r['last_quarter_tok_s'], '.3f')} | "
+                         f"{_f(r['last_quarter_accept_len'], '.3f')} |")
     opt = [s for s in data["summary"] if s.get("option_steps")]
     if opt:
         lines += ["", "## What each of the budget's options cost (the target's forward)", "",
@@ -154,10 +188,16 @@ def main(argv: list[str] | None = None) -> int:
                     help="the bench command of each run, for the page")
     ap.add_argument("--out", required=True)
     ap.add_argument("--publish", help="also copy long_serve.{md,json,png} here")
+    ap.add_argument("--keep", help="an earlier long_serve.json whose runs the page keeps")
     a = ap.parse_args(argv)
     rows, summ = [], []
+    if a.keep:
+        old = json.loads(Path(a.keep).read_text())
+        rows, summ = list(old["rows"]), list(old["summary"])
     for spec in a.run:
         proto, _, folder = spec.partition("=")
+        if any(x["protocol"] == proto for x in summ):
+            raise SystemExit(f"long_serve: protocol {proto!r} is already on the page (--keep)")
         arms = sorted(Path(folder, "arms").glob("*.json"), key=lambda p: p.stat().st_mtime)
         if not arms:
             raise SystemExit(f"long_serve: no arms/*.json in {folder}")
@@ -167,7 +207,7 @@ def main(argv: list[str] | None = None) -> int:
                 raise SystemExit(f"long_serve: {p} failed or served nothing: {arm.get('error')}")
             rows += window_rows(proto, arm)
             summ.append(summary(proto, arm))
-    data = {"summary": summ, "rows": rows}
+    data = {"summary": summ, "rows": rows, "ratios": ratios(summ)}
     out = Path(a.out)
     command = "; ".join(f"`{c}`" for c in a.command) or "(not given)"
     write_result_files(out, "long_serve", markdown(data, command), data, a.publish)

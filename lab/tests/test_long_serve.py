@@ -57,3 +57,24 @@ def test_a_failed_arm_is_refused(tmp_path):
     (d / "x.json").write_text(json.dumps({**arm("x", [1], [1]), "error": "boom"}))
     with pytest.raises(SystemExit, match="failed"):
         long_serve.main(["--run", f"p={tmp_path}", "--out", str(tmp_path / "o")])
+
+
+def test_a_kept_page_carries_its_runs_and_each_run_has_its_own_ratio(tmp_path):
+    """--keep: an earlier page's runs stay; online / frozen is taken within each run."""
+    for proto, (t_on, t_fr) in {"first": (90, 100), "second": (120, 100)}.items():
+        d = tmp_path / proto / "arms"
+        d.mkdir(parents=True)
+        (d / "frozen.json").write_text(json.dumps(arm("frozen", [t_fr] * 4, [1, 2, 3, 4])))
+        (d / "online.json").write_text(json.dumps(arm("online-ogd", [t_on] * 4, [1, 2, 3, 4])))
+    long_serve.main(["--run", f"poisson={tmp_path / 'first'}", "--out", str(tmp_path / "a")])
+    kept = tmp_path / "a" / "long_serve.json"
+    assert long_serve.main(["--keep", str(kept), "--run", f"poisson-reversed={tmp_path / 'second'}",
+                            "--out", str(tmp_path / "b")]) == 0
+    data = json.loads((tmp_path / "b" / "long_serve.json").read_text())
+    assert [s["protocol"] for s in data["summary"]] == ["poisson"] * 2 + ["poisson-reversed"] * 2
+    got = {r["protocol"]: r["last_quarter_tpot_p50"] for r in data["ratios"]}
+    assert got == {"poisson": pytest.approx(0.9), "poisson-reversed": pytest.approx(1.2)}
+    assert "| poisson-reversed | online-ogd / frozen |" in (tmp_path / "b" / "long_serve.md").read_text()
+    with pytest.raises(SystemExit, match="already on the page"):
+        long_serve.main(["--keep", str(kept), "--run", f"poisson={tmp_path / 'second'}",
+                         "--out", str(tmp_path / "c")])
