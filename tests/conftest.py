@@ -114,8 +114,7 @@ def _engine_core_in_this_process(request):
     engine core and worker (VLLM_ENABLE_V1_MULTIPROCESSING=0): on CPU vLLM otherwise spawns two
     processes that each import vLLM again, ~20 s of every engine's start. The plugin's code is
     the same either way; the multiprocess layout users run is what every `vllm serve` test (the
-    shell examples, the wheel's soak), the engine-loop module and the
-    tensor-parallel test start."""
+    shell examples, the wheel's soak), the engine-loop module and the tensor-parallel test start."""
     if request.node.get_closest_marker("engine_in_process") is None:
         yield
         return
