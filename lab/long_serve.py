@@ -164,13 +164,16 @@ def plot(rows: list[dict], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     protocols = list(dict.fromkeys(r["protocol"] for r in rows))
+    # One colour per arm on every panel, whatever order a run served the arms in.
+    colour = {a: f"C{i}" for i, a in enumerate(dict.fromkeys(r["arm"] for r in rows))}
     fig, axes = plt.subplots(2, len(protocols), figsize=(5.5 * len(protocols), 6.5), squeeze=False)
     for j, proto in enumerate(protocols):
         for arm in dict.fromkeys(r["arm"] for r in rows if r["protocol"] == proto):
             mine = [r for r in rows if r["protocol"] == proto and r["arm"] == arm]
             x = [(r["t_start_s"] + r["t_end_s"]) / 120 for r in mine]
-            axes[0][j].plot(x, [r["tpot_p50_ms"] for r in mine], marker="o", label=arm)
-            axes[1][j].plot(x, [r["tok_s"] for r in mine], marker="o", label=arm)
+            axes[0][j].plot(x, [r["tpot_p50_ms"] for r in mine], marker="o", label=arm,
+                            color=colour[arm])
+            axes[1][j].plot(x, [r["tok_s"] for r in mine], marker="o", label=arm, color=colour[arm])
         axes[0][j].set_title(f"{proto}: TPOT p50 (ms)", fontsize=10)
         axes[1][j].set_title(f"{proto}: output tok/s", fontsize=10)
         axes[1][j].set_xlabel("minutes into the stream")
