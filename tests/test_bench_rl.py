@@ -4,7 +4,6 @@ synthetic rows, the learner's unthrottled gap, and one small end-to-end run on r
 from __future__ import annotations
 
 import json
-import os
 import threading
 import time
 from types import SimpleNamespace
@@ -224,16 +223,10 @@ def e2e(tmp_path_factory):
     out = tmp_path_factory.mktemp("rl")
     # The arm's process runs vLLM's in-process engine core (~20 s less per start on 2 cores; the
     # multiprocess layout is served by the shell examples and the wheel's soak).
-    old = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING")
-    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-    try:
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         rc = main(["bench-rl", "--quick", "--arms", "online", "--orders", "1", "--gap-s", "2",
                    "--dtype", "float32", "--out", str(out)])
-    finally:
-        if old is None:
-            os.environ.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
-        else:
-            os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = old
     data = json.loads((out / "rl_rollouts.json").read_text())
     return rc, out, data
 
