@@ -80,6 +80,30 @@ def test_exploring_is_spread_by_what_it_costs():
     assert took <= 1200 and later[-100:].count("drafter") >= 90, (took, choice.shares())
 
 
+def test_the_slowest_objective_prices_a_closed_batch_by_its_slowest_request():
+    """Batch 8, the tree 50 % more tokens per step for 10 % more time, all of them on some
+    requests while others gain none: 'tokens' runs the tree, 'slowest' (a closed batch ends with
+    its last sequence) plain; at batch 1, where the slowest request is the only one, the tree
+    under both. A plain cycle counts B tokens under both."""
+    # (tokens, slowest request's tokens, seconds) per option and batch size
+    table = {8: {"plain": (8, 1, 0.100), "tree": (12, 1, 0.110), "drafter": (13, 1, 0.160)},
+             1: {"plain": (1, 1, 0.070), "tree": (2, 2, 0.080), "drafter": (2, 2, 0.120)}}
+    for objective, at_8 in (("tokens", "tree"), ("slowest", "plain")):
+        choice = OptionChoice(explore_every=16, objective=objective)
+        picks = {8: [], 1: []}
+        for _ in range(400):
+            for batch in (8, 1):
+                o = choice.choose(batch, "tree").option
+                tokens, slowest, seconds = table[batch][o]
+                choice.observe(o, batch, tokens, seconds, slowest=slowest)
+                picks[batch].append(o)
+        assert picks[8][-100:].count(at_8) >= 85, (objective, choice.ms_per_token())
+        assert picks[1][-100:].count("tree") >= 85, (objective, choice.ms_per_token())
+        assert choice.ms_per_token()["plain@B8"] == pytest.approx(12.5)
+    with pytest.raises(ValueError, match="objective"):
+        OptionChoice(objective="latency")
+
+
 def test_a_price_holds_only_its_own_options_cycles():
     """Plain cycles are priced by plain cycles: tree cycles that happen to verify nothing must
     not land in the plain price (the defect of the cost-model gate's 'k0' residual)."""

@@ -93,6 +93,9 @@ def test_arm_names_say_where_they_leave_the_preset(tmp_path):
     assert conf.prompt_lookup.source == "suffix_tree"  # the rest of the preset kept
     whole = OnlineSpecConfig.from_any(make_arm("frozen+unpriced", **kw).onlinespec)
     assert not whole.length_head.price_lookup and whole.length_head.gate
+    rollout = OnlineSpecConfig.from_any(make_arm("frozen+slowest", **kw).onlinespec)
+    assert rollout.length_head.option_objective == "slowest"
+    assert alone.length_head.option_objective == "tokens"
     coupled = OnlineSpecConfig.from_any(make_arm("online-ogd+coupled", **kw).onlinespec)
     assert coupled.sampling.coupled_drafts and coupled.enabled
     assert coupled.prompt_lookup.source == "suffix_tree"

@@ -104,24 +104,24 @@ def check_mixed_batch(llm, hf) -> None:
 
 
 def draw_pairs(llm, spec_kw: dict, n: int = N_DRAWS, seed0: int = 0,
-               prompt: str = DIST_PROMPT) -> tuple[list[int], list]:
+               prompt: str = DIST_PROMPT, max_tokens: int = 2) -> tuple[list[int], list]:
     from vllm import SamplingParams
 
-    # max_tokens K + 2: after t1 there is room for K drafts, so t2 is a verified position (with
-    # max_tokens 2 the scheduler trims every draft and t2 comes from the plain sampler).
-    params = [SamplingParams(max_tokens=K + 2, seed=seed0 + i, **spec_kw) for i in range(n)]
+    # Two tokens by default: t1 from the prefill, t2 from the first verify step, against K drafts
+    # (the callers count the drafts verified); more only spends steps on tokens not tested.
+    params = [SamplingParams(max_tokens=max_tokens, seed=seed0 + i, **spec_kw) for i in range(n)]
     outs = llm.chat([chat(prompt)] * n, params, use_tqdm=False)
     pairs = [tuple(o.outputs[0].token_ids[:2]) for o in outs]
     assert all(len(p) == 2 for p in pairs)
     return list(outs[0].prompt_token_ids), pairs
 
 
-def fit(llm, hf, name: str, prompt: str = DIST_PROMPT):
+def fit(llm, hf, name: str, prompt: str = DIST_PROMPT, max_tokens: int = 2):
     from vllm_onlinespec.bench.sampling import (SamplingParamsSpec, goodness_of_fit,
                                                 pair_probabilities)
 
     kw = SPECS[name]
-    prompt_ids, pairs = draw_pairs(llm, kw, prompt=prompt)
+    prompt_ids, pairs = draw_pairs(llm, kw, prompt=prompt, max_tokens=max_tokens)
     expected = pair_probabilities(hf, prompt_ids, SamplingParamsSpec(**kw), N_DRAWS)
     return goodness_of_fit(pairs, expected)
 
@@ -211,7 +211,9 @@ def test_sampled_tokens_verified_against_lookup_drafts_follow_the_target(llm, hf
     from vllm_onlinespec.serving.stats import fetch
 
     before = fetch(llm)
-    res = fit(llm, hf_target, "T1", prompt=REPEAT_PROMPT)
+    # K + 2 tokens: lookup indexes a request's text after its first step, so its drafts come
+    # from the second verify step on.
+    res = fit(llm, hf_target, "T1", prompt=REPEAT_PROMPT, max_tokens=K + 2)
     print(f"lookup T1: {res.summary()}")
     # Most second tokens were verified against lookup's drafts, not the drafter's.
     assert fetch(llm).lookup_rows - before.lookup_rows >= N_DRAWS // 2

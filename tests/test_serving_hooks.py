@@ -616,15 +616,16 @@ def test_each_cycle_prices_the_option_it_verified_with_that_options_drafting_tim
         return drafts
 
     def after_step(runner, view, sampled):
-        session.feedback.last_yield = 12
+        session.feedback.last_yield, session.feedback.last_slowest = 12, 5
 
     session = SimpleNamespace(
         gate_drafting=lambda so, sampled=None: None, cut_drafts=cut, after_step=after_step,
-        capture=lambda runner: None, feedback=SimpleNamespace(last_yield=None),
+        capture=lambda runner: None, feedback=SimpleNamespace(last_yield=None, last_slowest=None),
         drafting=SimpleNamespace(
             times_cycles=True, observe_draft_time=lambda k, s: None,
             observe_cycle=lambda *a, **k: None,
-            observe_option=lambda o, B, tokens, s: priced.append((o, B, tokens, round(s, 6)))))
+            observe_option=lambda o, B, tokens, s, slowest: priced.append(
+                (o, B, tokens, slowest, round(s, 6)))))
     r._onlinespec = session
     for i in range(5):
         prefill = i == 3  # a prefill chunk in cycle 3: not comparable, not priced
@@ -639,8 +640,8 @@ def test_each_cycle_prices_the_option_it_verified_with_that_options_drafting_tim
     r.execute_model(so)  # closes cycle 4
     # Cycle 0 verified nothing chosen; 1 verifies cycle 0's drafter drafts (0.020 + 0.005 of
     # drafting), 2 the tree's (0 + 0.005), 3 has prefill, 4 verifies cycle 3's drafter drafts.
-    assert priced == [("drafter", 2, 12, 0.125), ("tree", 2, 12, 0.105),
-                      ("drafter", 2, 12, 0.135)]
+    assert priced == [("drafter", 2, 12, 5, 0.125), ("tree", 2, 12, 5, 0.105),
+                      ("drafter", 2, 12, 5, 0.135)]
     # The step profile splits the target span by what each step verified (cycle 0 and the
     # steps before any choice: no option), prefill apart.
     assert {k: v[0] for k, v in r.onlinespec_profile().options.items()} == {

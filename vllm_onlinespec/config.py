@@ -128,6 +128,11 @@ class LengthHeadConfig(_Section):
                                  "what exploring one option may cost, as a share of serving "
                                  "time: an option x more per token than the best runs once in "
                                  "x / option_regret steps when that is rarer (0 < r <= 1)")
+    option_objective: Literal["tokens", "slowest"] = Field(
+        "tokens", description="'budget' gate's options: what a cycle's price counts: 'tokens' "
+        "every token it produced (throughput: a server with requests coming and going); "
+        "'slowest' the batch size times the tokens of the request that gained the fewest (a "
+        "closed batch's wall time, e.g. RL rollouts: the round ends with its last sequence)")
     explore_every: int = Field(32, ge=2, description="'budget' gate: while shut, every this-many"
                                "-th step drafts anyway to keep the estimate current (>= 2)")
     explore_requests: int = Field(2, ge=1, description="'budget' gate: requests whose full draft "

@@ -28,6 +28,8 @@
                                  decoding's rule) instead of pricing them
     <arm>+gateonly               the budget's cost-model gate alone, without the choice among
                                  plain / tree / drafter by measured cycles
+    <arm>+slowest                that choice priced by the request that gained the fewest
+                                 (option_objective 'slowest': a closed batch, RL rollouts)
     <arm>+coupled                sampled requests verified drafter-invariantly get drafts drawn
                                  with the verifier's noise (sampling.coupled_drafts)
 
@@ -124,6 +126,7 @@ ARM_SUFFIXES: dict[str, tuple[str, dict]] = {
     "+confidence": ("length_head", {"estimator": "confidence"}),
     "+unpriced": ("length_head", {"price_lookup": False}),
     "+gateonly": ("length_head", {"options": ["drafter"]}),
+    "+slowest": ("length_head", {"option_objective": "slowest"}),
     # sampled requests: drafts drawn with the invariant verifier's own noise
     "+coupled": ("sampling", {"coupled_drafts": True}),
 }
@@ -164,7 +167,7 @@ def _parse(name: str) -> tuple[str, dict | None]:
                      "frozen, k0, shadow, "
                      + ", ".join(f"online-{a}" for a in ALGORITHMS) + ", "
                      + ", ".join(POLICIES) + ", frozen-<policy>, and <our arm>+lookup, +tree, "
-                     "+nolookup, +confidence, +unpriced, +gateonly or +coupled")
+                     "+nolookup, +confidence, +unpriced, +gateonly, +slowest or +coupled")
 
 
 def merge_sections(base: dict, over: dict) -> dict:

@@ -76,7 +76,8 @@ class DraftCutter:
             if held != ["drafter"]:
                 self.options = OptionChoice(
                     tuple(held), explore_every=getattr(length_cfg, "option_explore_every", 16),
-                    regret=getattr(length_cfg, "option_regret", 0.01))
+                    regret=getattr(length_cfg, "option_regret", 0.01),
+                    objective=getattr(length_cfg, "option_objective", "tokens"))
         self._next = GateDecision(K, False, "")
         self._base_tokens: int | None = None
         self.price_lookup = getattr(length_cfg, "price_lookup", True)
@@ -170,10 +171,11 @@ class DraftCutter:
         """The option the drafts being cut now were chosen as (None: no choice made)."""
         return self._next.option
 
-    def observe_option(self, option: str, batch_size: int, tokens: int, seconds: float) -> None:
+    def observe_option(self, option: str, batch_size: int, tokens: int, seconds: float, *,
+                       slowest: int | None = None) -> None:
         """A measured cycle that verified `option`'s drafts (policy/option_choice.py)."""
         if self.options is not None:
-            self.options.observe(option, batch_size, tokens, seconds)
+            self.options.observe(option, batch_size, tokens, seconds, slowest=slowest)
 
     def step_price(self, batch_size: int) -> StepPrice | None:
         """What pricing the next step's lookup drafts needs (policy/lookup_price.py) under the

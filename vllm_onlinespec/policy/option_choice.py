@@ -23,6 +23,14 @@ as sampled rollouts on a 2-vCPU box measured, runs once in 80 steps instead of o
 option with fewer than `min_cycles` measured cycles in a bucket is measured first, every
 explore_every / 4 steps; until every option has its cycles the gate's own choice stands.
 
+What a cycle's tokens count is the `objective`. 'tokens': every token produced, the throughput
+of a server whose requests come and go. 'slowest': the batch size times the tokens of the
+request that gained the fewest, for a closed batch that ends with its last sequence (RL
+rollouts). There a step's accepted drafts shorten the round only where they land on the
+sequence that ends last: on sampled rollouts at batch 8 the tree and the drafter produced 1.45
+tokens per request per step, yet the rounds took 188-191 steps against plain decoding's 194
+(docs/results/rl_objective.md). A plain step counts B under both objectives.
+
 Core module: no vLLM import.
 """
 
@@ -67,6 +75,7 @@ class OptionChoice:
     regret: float = 0.01  # the serving time each option's exploring may cost, at most
     min_cycles: int = 4
     half_life_cycles: float = 16.0
+    objective: str = "tokens"  # or "slowest": what a cycle's tokens count (module docstring)
     prices: dict[tuple[str, int], OptionPrice] = field(default_factory=dict)
     chosen: dict[str, int] = field(default_factory=dict)  # steps run per option
     steps: int = 0
@@ -83,6 +92,9 @@ class OptionChoice:
                 or not 0 < self.regret <= 1):
             raise ValueError("OptionChoice: want explore_every >= 2, min_cycles >= 1, "
                              "half_life_cycles > 0 and 0 < regret <= 1")
+        if self.objective not in ("tokens", "slowest"):
+            raise ValueError(f"OptionChoice: objective must be 'tokens' or 'slowest' (got "
+                             f"{self.objective!r})")
         self.chosen = {o: self.chosen.get(o, 0) for o in self.options}
 
     def price(self, option: str, batch_size: int) -> OptionPrice:
@@ -142,11 +154,15 @@ class OptionChoice:
         self.prices.setdefault((option, bucket), OptionPrice()).last = self.bucket_steps[bucket]
         return OptionDecision(option, explore, reason)
 
-    def observe(self, option: str, batch_size: int, tokens: float, seconds: float) -> None:
+    def observe(self, option: str, batch_size: int, tokens: float, seconds: float, *,
+                slowest: float | None = None) -> None:
         """One measured cycle that verified `option`'s drafts: `tokens` produced in `seconds`
-        (its drafting included). Cycles with prefill must not come here (not comparable)."""
+        (its drafting included), `slowest` of them by the request that gained the fewest.
+        Cycles with prefill must not come here (not comparable)."""
         if option not in self.options or batch_size <= 0 or not seconds > 0 or tokens < 0:
             return
+        if self.objective == "slowest" and slowest is not None:
+            tokens = batch_size * slowest
         p = self.price(option, batch_size)
         d = 0.5 ** (1.0 / self.half_life_cycles)
         if p.cycles == 0:

@@ -216,6 +216,7 @@ class OnlineSpecRunnerMixin:
                 session.after_step(self, view, self._onlinespec_sampled)
                 if self._onlinespec_cycle is not None:
                     self._onlinespec_cycle.produced = session.feedback.last_yield
+                    self._onlinespec_cycle.slowest = session.feedback.last_slowest
         with guard(G.SAMPLE):
             self._onlinespec_profile.sample_tokens_s += time.perf_counter() - t0
         return out
@@ -250,7 +251,7 @@ class OnlineSpecRunnerMixin:
                 # verified (the cycle before) is this option's.
                 seconds = now - cycle.start - cycle.draft_s + cycle.prev_draft_s
                 session.drafting.observe_option(cycle.option, cycle.batch, cycle.produced,
-                                                seconds)
+                                                seconds, slowest=cycle.slowest)
 
     def onlinespec_profile(self) -> StepProfile:
         return self._onlinespec_profile
@@ -300,6 +301,7 @@ class _Cycle:
     draft_s: float = 0.0
     decode_only: bool = False
     produced: int | None = None  # tokens the step produced (1 + accepted per request)
+    slowest: int | None = None  # the fewest one request produced
 
     @property
     def drafter_drafted(self) -> bool:
