@@ -28,8 +28,8 @@ of a server whose requests come and go. 'slowest': the batch size times the toke
 request that gained the fewest, for a closed batch that ends with its last sequence (RL
 rollouts). There a step's accepted drafts shorten the round only where they land on the
 sequence that ends last: on sampled rollouts at batch 8 the tree and the drafter produced 1.45
-tokens per request per step, yet the rounds took 188-191 steps against plain decoding's 194
-(docs/results/rl_objective.md). A plain step counts B under both objectives.
+tokens per request per step, yet the rounds took 185-188 steps against plain decoding's 194
+at 8-20 % more per step (docs/results/rl_objective.md). A plain step counts B under both.
 
 Core module: no vLLM import.
 """
