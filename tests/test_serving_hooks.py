@@ -254,6 +254,18 @@ def bare_session(**over):
     return s
 
 
+def test_feedback_counts_what_the_step_produced_and_its_slowest_request():
+    """The budget's option prices read these: every token the step produced (1 + accepted per
+    request) and the fewest one request produced (the 'slowest' objective)."""
+    s = bare_session()
+    s.after_step(None, make_view(num_draft=(3, 2)), [[7, 8, 9, -1], [5, -1, -1, -1]])
+    assert (s.feedback.last_yield, s.feedback.last_slowest) == (4, 1)
+    s.after_step(None, make_view(num_draft=(3, 2)), [[7, 8, 9, 6], [5, 4, 3, -1]])
+    assert (s.feedback.last_yield, s.feedback.last_slowest) == (7, 3)
+    s.after_step(None, None, None)  # no step view: unknown, not stale
+    assert (s.feedback.last_yield, s.feedback.last_slowest) == (None, None)
+
+
 def _boom(*a, **k):
     raise ZeroDivisionError("injected")
 
