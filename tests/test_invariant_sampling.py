@@ -108,12 +108,16 @@ def test_the_mode_follows_what_changes_drafts():
     def mode(d):
         return OnlineSpecConfig.from_any(d).invariant_sampling
 
-    assert mode({}) == "seeded"  # learning on
+    assert mode({}) == "all"  # learning on, one rank: unseeded requests too
     assert mode({"enabled": False, "length_head": {"policy": "fixed"}}) == "off"
-    assert mode({"enabled": False, "length_head": {"policy": "budget"}}) == "seeded"
+    assert mode({"enabled": False, "length_head": {"policy": "budget"}}) == "all"
     assert mode({"enabled": False, "length_head": {"policy": "fixed"},
-                 "prompt_lookup": {"enabled": True}}) == "seeded"
+                 "prompt_lookup": {"enabled": True}}) == "all"
     assert mode({"sampling": {"invariant": "all"}}) == "all"
+    assert mode({"sampling": {"invariant": "seeded"}}) == "seeded"
+    # under tensor parallelism an unseeded request's per-process seed would differ by rank
+    assert OnlineSpecConfig.from_any({}).invariant_mode(tensor_parallel_size=2) == "seeded"
+    assert OnlineSpecConfig.from_any({"enabled": False}).invariant_mode(2) == "off"
     with pytest.raises(ConfigError, match="sampling.invariant"):
         OnlineSpecConfig.from_any({"sampling": {"invariant": "sometimes"}})
 
@@ -131,6 +135,7 @@ def test_all_mode_is_refused_under_tensor_parallelism():
 
     assert config_from_vllm(vllm_config("all", 1)).invariant_sampling == "all"
     assert config_from_vllm(vllm_config("seeded", 2)).invariant_sampling == "seeded"
+    assert config_from_vllm(vllm_config("auto", 2)).invariant_mode(2) == "seeded"  # not refused
     with pytest.raises(ConfigError, match="tensor parallelism"):
         config_from_vllm(vllm_config("all", 2))
 

@@ -29,7 +29,7 @@ LOOKUP = {"enabled": True, "min_n": 1, "min_tokens": 1}
 ONLINE = {"update": {"lr": 1e-3}, "min_new_tokens_per_update": 8,
           "pacing": {"learner_cpu_share": 0.8},
           "length_head": {"policy": "adaflash"}, "prompt_lookup": LOOKUP,
-          "sampling": {"coupled_drafts": True}}
+          "sampling": {"invariant": "seeded", "coupled_drafts": True}}
 MAX_TOKENS = 24
 SEEDED = [  # (prompt, sampling kwargs)
     ("Repeat after me: the quick brown fox jumps over the lazy dog. The quick brown fox",

@@ -158,6 +158,21 @@ def test_sampled_tokens_follow_the_target_while_learning(session, hf_smollm2):
     assert 0 < st.cutter.verified < st.cutter.drafted, st  # adaflash did cut drafts
 
 
+def test_unseeded_sampled_requests_take_the_invariant_sampler_by_default(session):
+    """sampling.invariant 'auto' on one rank is 'all': an unseeded sampled request is verified
+    (and sampled) by the invariant rule too, its seed drawn per request."""
+    from vllm import SamplingParams
+
+    llm = session["llm"]
+    before = stats(llm)
+    out = llm.chat([[{"role": "user", "content": "Name a bird."}]],
+                   SamplingParams(temperature=1.0, max_tokens=8, ignore_eos=True), use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 8
+    after = stats(llm)
+    assert after.invariant_mode == "all", after
+    assert after.invariant_rows >= before.invariant_rows + 7, (before, after)  # one a decode step
+
+
 def test_learner_that_raises_leaves_serving_intact(session, greedy_reference):
     llm = session["llm"]
 

@@ -96,6 +96,9 @@ def test_arm_names_say_where_they_leave_the_preset(tmp_path):
     rollout = OnlineSpecConfig.from_any(make_arm("frozen+slowest", **kw).onlinespec)
     assert rollout.length_head.option_objective == "slowest"
     assert alone.length_head.option_objective == "tokens"
+    now = OnlineSpecConfig.from_any(make_arm("frozen+slowest+contextnow", **kw).onlinespec)
+    assert now.length_head.k0_step == "context_only" and now.length_head.option_objective == "slowest"
+    assert rollout.length_head.k0_step == "deferred"
     coupled = OnlineSpecConfig.from_any(make_arm("online-ogd+coupled", **kw).onlinespec)
     assert coupled.sampling.coupled_drafts and coupled.enabled
     assert coupled.prompt_lookup.source == "suffix_tree"

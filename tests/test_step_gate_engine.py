@@ -2,8 +2,9 @@
 off): steps switch between the drafter's context-only K = 0 step (gate shut) and full drafts
 (exploring), with prompt lookup drafting K tokens where the text repeats, also in steps the gate
 shut, and between the budget's options (plain, lookup alone, drafter), and greedy output stays
-the target's, token for token. The context-only K = 0 step writes
-the same context K/V as vLLM's own K = 0 forward."""
+the target's, token for token. A K = 0 step defers its context K/V (the default), and the
+drafting step after it writes them as a context-only step would have; the context-only K = 0
+step writes the same context K/V as vLLM's own K = 0 forward."""
 
 import os
 
@@ -53,13 +54,96 @@ def served(smollm2_path):
             outs += llm.chat([[{"role": "user", "content": p}] for p in PROMPTS], params,
                              use_tqdm=False)
         stats = fetch(llm)
+        assert llm.collective_rpc(check_deferred_context)[0]
+        deferred_outs = llm.chat([[{"role": "user", "content": p}] for p in PROMPTS], params,
+                                 use_tqdm=False)
+        deferred = llm.collective_rpc(deferred_report)[0]
         assert llm.collective_rpc(compare_k0_paths)[0]
         k0_outs = llm.chat([[{"role": "user", "content": p}] for p in PROMPTS], params,
                            use_tqdm=False)
         k0 = llm.collective_rpc(k0_report)[0]
     finally:
         llm.llm_engine.engine_core.shutdown()
-    return {"outs": outs, "stats": stats, "k0_outs": k0_outs, "k0": k0}
+    return {"outs": outs, "stats": stats, "k0_outs": k0_outs, "k0": k0,
+            "deferred_outs": deferred_outs, "deferred": deferred}
+
+
+def check_deferred_context(worker):
+    """On the worker: serving as configured (K = 0 steps deferred), beside a shadow copy of the
+    drafter's K/V cache that every K = 0 step writes context-only, as it would have been
+    written at once. At each drafting step, after the deferred rows are written and before
+    vLLM's propose reads them, the K/V of every position a live request has computed must be
+    the shadow's (float32: up to the rounding of one fc over more rows). Every other call is
+    made a K = 0 step and every other one writes the kept rows first, whatever the gate
+    decides (in this pass it may not draft at all)."""
+    import torch
+
+    from vllm_onlinespec.serving.compat.drafter import context_only_propose
+
+    runner = worker.model_runner
+    proposer = runner.drafter
+    store, installed = proposer._onlinespec_deferred, proposer.propose
+    m = proposer.model.model
+    attns = m._attn_layers
+    bs = int(proposer.block_size)
+    rep = proposer._deferred_report = {"calls": 0, "k0_steps": 0, "catch_ups": 0, "written": 0,
+                                       "compared_slots": 0, "max_rel": 0.0}
+    state = {"shadow": None}
+
+    def snapshot():
+        return [a.kv_cache.clone() for a in attns]
+
+    def k0_step(kw):
+        """Deferred on the real cache, written context-only on the shadow."""
+        rep["k0_steps"] += 1
+        real = snapshot()
+        for a, sh in zip(attns, state["shadow"]):
+            a.kv_cache.copy_(sh)
+        context_only_propose(proposer, **kw)
+        state["shadow"] = snapshot()
+        for a, r in zip(attns, real):
+            a.kv_cache.copy_(r)
+        return installed(0, **kw)
+
+    def checking(num_speculative_tokens, **kw):
+        if state["shadow"] is None:
+            state["shadow"] = snapshot()
+        rep["calls"] += 1
+        if rep["calls"] % 2:  # every other call a K = 0 step
+            return k0_step(kw)
+        # the others write what the K = 0 steps kept (as a drafting step does before vLLM's
+        # propose, or a K = 0 step whose store is full), then run as the gate asked
+        cad = kw["common_attn_metadata"]
+        written = store.catch_up(proposer, runner, cad)
+        rep["catch_ups"] += int(written > 0)
+        rep["written"] += written
+        computed = runner.input_batch.num_computed_tokens_cpu[:cad.batch_size()]
+        slots = torch.tensor([int(cad.block_table_tensor[i, p // bs]) * bs + p % bs
+                              for i, n in enumerate(computed) for p in range(int(n))],
+                             dtype=torch.int64)
+        if slots.numel():
+            rep["compared_slots"] += int(slots.numel())
+            for a, sh in zip(attns, state["shadow"]):
+                probe = a.kv_cache.clone()
+                sentinel = torch.full((slots.numel(), m._num_kv_heads, m._head_dim), 12345.0,
+                                      dtype=probe.dtype)
+                a.impl.do_kv_cache_update(a, sentinel, sentinel.clone(), probe, slots)
+                mask = probe != a.kv_cache
+                diff = (a.kv_cache[mask] - sh[mask]).abs().max()
+                rel = float(diff / sh[mask].abs().max().clamp(min=1e-6))
+                rep["max_rel"] = max(rep["max_rel"], rel)
+        if num_speculative_tokens == 0:
+            return k0_step(kw)
+        out = installed(num_speculative_tokens, **kw)
+        state["shadow"] = snapshot()  # both hold this step's writes now
+        return out
+
+    proposer.propose = checking
+    return store is not None
+
+
+def deferred_report(worker):
+    return dict(worker.model_runner.drafter._deferred_report)
 
 
 def compare_k0_paths(worker):
@@ -84,6 +168,18 @@ def compare_k0_paths(worker):
 
     rep = proposer._k0_report = {"steps": 0, "written": 0, "outside_query": 0, "differing": 0,
                                  "shape_ok": 0, "calls": 0}
+
+    def k0_step(kw):
+        """Deferred on the real cache, written context-only on the shadow."""
+        rep["k0_steps"] += 1
+        real = snapshot()
+        for a, sh in zip(attns, state["shadow"]):
+            a.kv_cache.copy_(sh)
+        context_only_propose(proposer, **kw)
+        state["shadow"] = snapshot()
+        for a, r in zip(attns, real):
+            a.kv_cache.copy_(r)
+        return installed(0, **kw)
 
     def checking(num_speculative_tokens, **kw):
         rep["calls"] += 1
@@ -148,6 +244,17 @@ def test_steps_switch_between_plain_lookup_and_drafter_losslessly(served, hf_tar
 def test_the_head_was_scored_on_real_verification(served):
     c = served["stats"].cutter
     assert c.head_labels > 0 and c.head_feedback_updates > 0, c
+
+
+def test_deferred_k0_steps_write_their_context_before_the_drafter_reads_it(served, hf_target):
+    d = served["deferred"]
+    assert d["k0_steps"] > 3 and d["catch_ups"] >= 1 and d["written"] > 0, d
+    assert d["compared_slots"] > 0, d
+    assert d["max_rel"] < 1e-4, d  # every computed position's K/V as context-only wrote it
+    passes = served["stats"].drafter_passes
+    assert passes["deferred"] > 0 and passes["deferred_written"] > 0, passes
+    assert passes["deferred_errors"] == 0, passes
+    assert_greedy_equal(served["deferred_outs"], hf_target, MAX_TOKENS)
 
 
 def test_context_only_k0_step_writes_the_full_forwards_context_kv(served, hf_target):

@@ -30,6 +30,8 @@
                                  plain / tree / drafter by measured cycles
     <arm>+slowest                that choice priced by the request that gained the fewest
                                  (option_objective 'slowest': a closed batch, RL rollouts)
+    <arm>+contextnow             a step that drafts nothing writes the drafter's context K/V
+                                 at once (k0_step 'context_only') instead of deferring it
     <arm>+coupled                sampled requests verified drafter-invariantly get drafts drawn
                                  with the verifier's noise (sampling.coupled_drafts)
 
@@ -127,6 +129,7 @@ ARM_SUFFIXES: dict[str, tuple[str, dict]] = {
     "+unpriced": ("length_head", {"price_lookup": False}),
     "+gateonly": ("length_head", {"options": ["drafter"]}),
     "+slowest": ("length_head", {"option_objective": "slowest"}),
+    "+contextnow": ("length_head", {"k0_step": "context_only"}),
     # sampled requests: drafts drawn with the invariant verifier's own noise
     "+coupled": ("sampling", {"coupled_drafts": True}),
 }
@@ -167,7 +170,7 @@ def _parse(name: str) -> tuple[str, dict | None]:
                      "frozen, k0, shadow, "
                      + ", ".join(f"online-{a}" for a in ALGORITHMS) + ", "
                      + ", ".join(POLICIES) + ", frozen-<policy>, and <our arm>+lookup, +tree, "
-                     "+nolookup, +confidence, +unpriced, +gateonly, +slowest or +coupled")
+                     "+nolookup, +confidence, +unpriced, +gateonly, +slowest, +contextnow or +coupled")
 
 
 def merge_sections(base: dict, over: dict) -> dict:

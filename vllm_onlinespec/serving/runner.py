@@ -5,7 +5,9 @@
   execute_model     timed (step profile, the budget's step cost); each start closes the previous
                     engine cycle, whose wall time the gate compares with its model
   _sample           seeded sampled requests verified drafter-invariantly (compat/
-                    invariant_sampling.py); remembers the rejection sampler's output
+                    invariant_sampling.py); the others through vLLM's rejection sampler,
+                    its recovery noise drawn only for requests with drafts (compat/
+                    recovery_noise.py); remembers the rejection sampler's output
                     (accepted lengths); the oracle
   propose_draft_token_ids   the budget's step gate (draft K, fewer, or vLLM's K = 0 drafter path); timed
   sample_tokens     before: a view of the target step (on GPU its features copied, before vLLM's
@@ -71,12 +73,14 @@ class OnlineSpecRunnerMixin:
             # frozen engine's budget gate differently: docs/results/drafter_packing.md).
             compat.wrap_drafter_load(self)
         out = super().load_model(*args, **kwargs)
-        mode = cfg.invariant_sampling
+        mode = cfg.invariant_mode(compat.tensor_parallel_size(self.vllm_config))
         self._onlinespec_invariant = compat.InvariantVerifier(mode) if mode != "off" else None
         if self._onlinespec_invariant is not None and cfg.sampling.coupled_drafts:
             self._install_coupled_drafts()
-        if cfg.length_head.k0_step == "context_only" or cfg.features.plain:
-            compat.install_context_only_k0(self, never_drafts=cfg.features.plain)
+        compat.install_lean_recovery_noise()
+        if cfg.length_head.k0_step != "forward" or cfg.features.plain:
+            compat.install_context_only_k0(self, never_drafts=cfg.features.plain,
+                                           deferred=cfg.length_head.k0_step == "deferred")
         self._onlinespec = OnlineSession(self, cfg, self._onlinespec_guard)
         return out
 
@@ -144,7 +148,8 @@ class OnlineSpecRunnerMixin:
                     out = inv.sample(self, tried, spec_decode_metadata)
             # out None: the rewrite failed (counted, on every rank): vLLM samples, unrewritten.
         if out is None:
-            out = super()._sample(logits, spec_decode_metadata)
+            with compat.lean_recovery_noise():  # compat/recovery_noise.py: no unread noise
+                out = super()._sample(logits, spec_decode_metadata)
             if pending is not None:
                 # A failure here is counted and leaves vLLM's own (valid, not reproducible)
                 # sample.

@@ -211,6 +211,16 @@ def _estimator_fields(c: Any) -> dict[str, Any]:
     return out
 
 
+def drafter_pass_counts(proposer: Any) -> dict[str, int]:
+    """vLLM's drafter calls by kind (compat/drafter.py install_context_only_k0), and the
+    deferred context's rows ("deferred_written", ...: compat/deferred_context.py)."""
+    out = dict(getattr(proposer, "_onlinespec_passes", None) or {})
+    store = getattr(proposer, "_onlinespec_deferred", None)
+    if store is not None:
+        out.update({f"deferred_{k}": v for k, v in store.stats().items()})
+    return out
+
+
 def lookup_fields(lookup: Any) -> dict[str, float]:
     """OnlineSpecStats' lookup_* fields from a serving.lookup.LookupStage (None: lookup off)."""
     if lookup is None:
@@ -240,8 +250,7 @@ def session_stats(s: Any) -> OnlineSpecStats:
         cost_a_s=cm.a if cm is not None else None,
         cost_b_s_per_token=cm.b if cm is not None else None,
         resumed_from=s.resumed_from, hooks=s.guard.stats(), target_swaps=s.target_swaps,
-        drafter_passes=dict(getattr(getattr(s.runner, "drafter", None), "_onlinespec_passes",
-                                    None) or {}),
+        drafter_passes=drafter_pass_counts(getattr(s.runner, "drafter", None)),
         cutter=CutterStats.from_cutter(s.cutter),
         **invariant_fields(getattr(s.runner, "_onlinespec_invariant", None)),
         **lookup_fields(s.lookup))

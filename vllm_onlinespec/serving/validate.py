@@ -34,11 +34,11 @@ def config_from_vllm(vllm_config: Any) -> OnlineSpecConfig:
             f"onlinespec.prompt_lookup: needs draft_sample_method 'greedy' in "
             f"--speculative-config (got {vc.draft_sample_method(vllm_config)!r}): the rejection "
             f"sampler reads the drafter's probabilities, which lookup's tokens do not have")
-    if cfg.invariant_sampling != "off" and vc.logprobs_mode(vllm_config).startswith("processed"):
+    if cfg.invariant_mode(vc.tensor_parallel_size(vllm_config)) != "off" and vc.logprobs_mode(vllm_config).startswith("processed"):
         raise ConfigError(
             f"onlinespec.sampling.invariant: needs a raw --logprobs-mode (got "
             f"{vc.logprobs_mode(vllm_config)!r}); set it to 'off' to keep processed logprobs")
-    if cfg.invariant_sampling == "all" and vc.tensor_parallel_size(vllm_config) > 1:
+    if cfg.sampling.invariant == "all" and vc.tensor_parallel_size(vllm_config) > 1:
         # An unseeded request's seed is drawn per process: ranks would sample different tokens.
         raise ConfigError(
             "onlinespec.sampling.invariant: 'all' is not supported with tensor parallelism "

@@ -4,11 +4,13 @@ and the hook on its final hidden states (vLLM 0.32.0, qwen3_dflash.py / llm_base
 from __future__ import annotations
 
 import contextlib
+import logging
 import threading
 from typing import Any, Callable, Iterable, Iterator
 
 import torch
 
+logger = logging.getLogger("vllm_onlinespec")
 _drafter_loading = threading.local()
 
 
@@ -255,17 +257,22 @@ def wrap_draft_ids(runner: Any, rewrite: Callable[[torch.Tensor, torch.Tensor], 
     return True
 
 
-def install_context_only_k0(runner: Any, never_drafts: bool = False) -> bool:
+def install_context_only_k0(runner: Any, never_drafts: bool = False,
+                            deferred: bool = False) -> bool:
     """Make vLLM's DFlash proposer take a context-only path when it is asked for 0 draft
     tokens (a K = 0 step of the budget's gate): the new tokens' context K/V are written (fc +
     the fused k/v projection, norm, RoPE, cache insert: what every later draft attends to) and
     nothing else runs. vLLM's own K = 0 path also runs the drafter's layers over the B
     bonus-token queries and throws their output away (llm_base_proposer.py:617-626); those
     queries' K/V sit past the committed tokens and are overwritten by the next step's context
-    before anything reads them. `never_drafts` (a plain feature-logging engine, the K = 0
-    floor): no later draft reads that context, so a K = 0 step runs no drafter forward at all.
-    Counts each kind of call in `proposer._onlinespec_passes` ("draft", "context", "none").
-    Returns whether the path is installed (only on a DFlash proposer, once)."""
+    before anything reads them. `deferred`: a K = 0 step writes nothing; its accepted rows are
+    kept and written in one pass when the drafter next drafts (compat/deferred_context.py).
+    `never_drafts` (a plain feature-logging engine, the K = 0 floor): no later draft reads that
+    context, so a K = 0 step runs no drafter forward at all. Counts each kind of call in
+    `proposer._onlinespec_passes` ("draft", "context", "deferred", "none"). Returns whether the
+    path is installed (only on a DFlash proposer, once)."""
+    from vllm_onlinespec.serving.compat.deferred_context import DeferredContext
+
     proposer = getattr(runner, "drafter", None)
     model = getattr(proposer, "model", None)
     if (getattr(proposer, "method", None) != "dflash"
@@ -273,24 +280,43 @@ def install_context_only_k0(runner: Any, never_drafts: bool = False) -> bool:
             or getattr(proposer, "_onlinespec_k0", False)):
         return False
     full = proposer.propose
-    passes = {"draft": 0, "context": 0, "none": 0}
+    passes = {"draft": 0, "context": 0, "deferred": 0, "none": 0}
+    store = DeferredContext() if deferred and not never_drafts else None
+
+    def no_drafts(kwargs) -> torch.Tensor:
+        proposer.num_speculative_tokens = 0
+        proposer._last_draft_probs = None
+        return torch.empty(kwargs["common_attn_metadata"].batch_size(), 0,
+                           device=kwargs["next_token_ids"].device, dtype=torch.int64)
 
     def propose(num_speculative_tokens, *args, **kwargs):
         if num_speculative_tokens != 0 or args:  # vLLM passes keywords (gpu_model_runner.py:5006)
             passes["draft"] += 1
+            if store is not None and not args:  # what it will attend to, written first
+                store.catch_up(proposer, runner, kwargs["common_attn_metadata"])
             return full(num_speculative_tokens, *args, **kwargs)
         if never_drafts:
             passes["none"] += 1
-            proposer.num_speculative_tokens = 0
-            proposer._last_draft_probs = None
-            return torch.empty(kwargs["common_attn_metadata"].batch_size(), 0,
-                               device=kwargs["next_token_ids"].device, dtype=torch.int64)
+            return no_drafts(kwargs)
+        if store is not None:
+            if not store.full:
+                try:
+                    store.defer(runner, **kwargs)
+                    passes["deferred"] += 1
+                    return no_drafts(kwargs)
+                except Exception as e:  # noqa: BLE001 - written now instead, below
+                    store.errors += 1
+                    if store.errors == 1:
+                        logger.warning("onlinespec: deferring the drafter context failed "
+                                       "(%s: %s); written now", type(e).__name__, e)
+            store.catch_up(proposer, runner, kwargs["common_attn_metadata"])
         passes["context"] += 1
         return context_only_propose(proposer, **kwargs)
 
     proposer.propose = propose
     proposer._onlinespec_k0 = True
     proposer._onlinespec_passes = passes
+    proposer._onlinespec_deferred = store
     proposer._onlinespec_full_propose = full  # vLLM's own, for tests that compare the two
     return True
 
