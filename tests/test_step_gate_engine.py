@@ -169,18 +169,6 @@ def compare_k0_paths(worker):
     rep = proposer._k0_report = {"steps": 0, "written": 0, "outside_query": 0, "differing": 0,
                                  "shape_ok": 0, "calls": 0}
 
-    def k0_step(kw):
-        """Deferred on the real cache, written context-only on the shadow."""
-        rep["k0_steps"] += 1
-        real = snapshot()
-        for a, sh in zip(attns, state["shadow"]):
-            a.kv_cache.copy_(sh)
-        context_only_propose(proposer, **kw)
-        state["shadow"] = snapshot()
-        for a, r in zip(attns, real):
-            a.kv_cache.copy_(r)
-        return installed(0, **kw)
-
     def checking(num_speculative_tokens, **kw):
         rep["calls"] += 1
         if rep["calls"] % 2:
