@@ -24,9 +24,10 @@ import json
 import os
 import shutil
 import statistics
-import subprocess
 import time
 from pathlib import Path
+
+from machine import box  # lab/machine.py
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # switch settings by callables
 os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "0")
@@ -127,16 +128,6 @@ def run_point(llm, engine: str, args, convs: list, max_tokens: int) -> list[dict
         print(json.dumps(row), flush=True)
         rows.append(row)
     return rows
-
-
-def box() -> str:
-    out = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
-    keep = ("Model name", "CPU family", "Model:", "CPU(s):", "Flags")
-    lines = [ln for ln in out.splitlines() if ln.startswith(keep)]
-    flags = next((ln for ln in lines if ln.startswith("Flags")), "")
-    isa = [f for f in ("avx512_bf16", "amx_bf16", "avx512f", "avx2") if f" {f}" in flags]
-    return "; ".join(ln.split(":", 1)[0].strip() + ": " + ln.split(":", 1)[1].strip()
-                     for ln in lines if not ln.startswith("Flags")) + "; ISA: " + ",".join(isa)
 
 
 def summarise(rows: list[dict]) -> list[dict]:
