@@ -334,41 +334,60 @@ def test_demo_scenarios_serve_known_targets_with_the_base_drafter():
     assert ft.target != ft.drafter_of and KNOWN_MODELS[ft.target].adapter
 
 
-def _rl_rows(online_late: dict[int, float], frozen_late: float = 1.8) -> list[dict]:
-    """Rows as bench-rl writes them: 4 rounds per order, accept len 1.8 in the first half."""
+def _rl_rows(online_late: dict[int, float], frozen_late: float = 0.30, tree_accepted: int = 60,
+             online_tree_accepted: int | None = None) -> list[dict]:
+    """Rows as bench-rl writes them: 4 rounds per order, 200 request-steps with drafts a round,
+    100 of them the suffix tree's (`tree_accepted` tokens accepted), 100 the drafter's at the
+    given accepted tokens per drafted step (0.30 in the first half)."""
     rows = []
     for order, late in online_late.items():
-        for label, arm, acc in (("frozen", "frozen", frozen_late),
-                                ("online gap 12s", "online", late)):
+        for label, arm, d in (("frozen", "frozen", frozen_late), ("online gap 12s", "online", late)):
+            tree = tree_accepted if arm == "frozen" or online_tree_accepted is None \
+                else online_tree_accepted
             for rnd in range(4):
-                a = 1.8 if rnd < 2 else acc
+                da = 0.30 if rnd < 2 else d
+                accepted = tree + round(da * 100)
                 rows.append({"label": label, "arm": arm, "order": order, "round": rnd,
                              "version": min(rnd, 1), "gap_s": 12.0 if arm == "online" else 0.0,
                              "output_tokens": 400, "wall_s": 4.0, "tok_s": 100.0,
-                             "drafts": 200, "accepted": round((a - 1) * 200), "accept_len": a,
-                             "drafter_accept": None, "gate_shut_share": 0.5,
-                             "learner_updates_round": 0, "learner_updates_gap": 0,
-                             "gap_s_used": 0.0, "push_s": 1.0})
+                             "drafts": 200, "accepted": accepted, "accept_len": (accepted + 200) / 200,
+                             "lookup_rows": 100, "lookup_accepted": tree, "drafter_accept": da,
+                             "gate_shut_share": 0.5, "learner_updates_round": 0,
+                             "learner_updates_gap": 0, "gap_s_used": 0.0, "push_s": 1.0})
     return rows
 
 
-def test_rl_demo_verdict_needs_the_gain_in_every_order_over_the_last_half():
+def test_rl_demo_verdict_needs_the_drafters_gain_in_every_order_over_the_last_half():
     from vllm_onlinespec.bench.demo import MIN_GAIN, rl_verdict
 
-    both = rl_verdict(_rl_rows({0: 1.9, 1: 1.95}))
+    both = rl_verdict(_rl_rows({0: 0.40, 1: 0.45}))
     assert both[-1].startswith("verdict: LEARNED") and "+0.100" in both[-1]
-    assert both[0].startswith("last half of the rounds, order 0: online 1.900 vs frozen 1.800")
-    one = rl_verdict(_rl_rows({0: 1.9, 1: 1.8 + MIN_GAIN / 3}))
+    assert both[0].startswith("last half of the rounds, order 0: the drafter's accepted tokens "
+                              "per drafted step online 0.400 vs frozen 0.300 (+0.100); tokens "
+                              "per verify step 1.500 vs 1.450")
+    one = rl_verdict(_rl_rows({0: 0.40, 1: 0.30 + MIN_GAIN / 3}))
     assert one[-1].startswith("verdict: NOT LEARNED") and "+0.010" in one[-1]
     # the first half (rounds 0-1) does not count: online ahead there only is not learning
-    early = _rl_rows({0: 1.8, 1: 1.8})
+    early = _rl_rows({0: 0.30, 1: 0.30})
     for r in early:
         if r["arm"] == "online" and r["round"] < 2:
             r["accepted"] += 50
+            r["drafter_accept"] += 0.5
     assert rl_verdict(early)[-1].startswith("verdict: NOT LEARNED")
-    assert "failed" in rl_verdict([r for r in _rl_rows({0: 1.9}) if r["arm"] != "online"])[0]
+    # More tokens per verify step from the tree's drafts (the budget's mix), the same drafter:
+    # not learning.
+    mix = rl_verdict(_rl_rows({0: 0.30, 1: 0.30}, online_tree_accepted=90))
+    assert mix[-1].startswith("verdict: NOT LEARNED") and "+0.000" in mix[-1]
+    assert "tokens per verify step 1.600 vs 1.450" in mix[0]
+    # A drafter that drafted nothing over the last half: nothing to judge it by.
+    idle = _rl_rows({0: 0.40, 1: 0.40})
+    for r in idle:
+        if r["arm"] == "frozen" and r["order"] == 1 and r["round"] >= 2:
+            r.update(drafter_accept=None, lookup_rows=200, accepted=r["lookup_accepted"])
+    assert rl_verdict(idle)[-1].startswith("verdict: NOT MEASURED: the frozen arm's drafter")
+    assert "failed" in rl_verdict([r for r in _rl_rows({0: 0.4}) if r["arm"] != "online"])[0]
     # The learner's own paired estimate, when the rows carry it: its last round's, per order.
-    own = _rl_rows({0: 1.9})
+    own = _rl_rows({0: 0.4})
     for r in own:
         r["learner_gain"] = 0.05 * r["round"] if r["arm"] == "online" else None
     assert "own paired estimate after the last round: +0.150 accepted draft tokens" in \
