@@ -384,7 +384,18 @@ def test_rl_demo_verdict_needs_the_drafters_gain_in_every_order_over_the_last_ha
     for r in idle:
         if r["arm"] == "frozen" and r["order"] == 1 and r["round"] >= 2:
             r.update(drafter_accept=None, lookup_rows=200, accepted=r["lookup_accepted"])
-    assert rl_verdict(idle)[-1].startswith("verdict: NOT MEASURED: the frozen arm's drafter")
+    out = rl_verdict(idle)
+    assert out[-1].startswith("verdict: NOT MEASURED: in order(s) 1 ") and "+0.100" in out[0]
+    assert out[1].startswith("last half of the rounds, order 1: the drafter drafted 200 "
+                             "request-steps online and 0 frozen (too few for a rate)")
+    # Too few drafter steps for a rate (one token would move it by more than MIN_GAIN).
+    from vllm_onlinespec.bench.demo import MIN_DRAFTER_STEPS
+
+    few = _rl_rows({0: 0.40, 1: 0.40})
+    for r in few:
+        r["lookup_rows"] = 200 - (MIN_DRAFTER_STEPS - 1) // 2  # 2 last-half rounds: one short
+    assert rl_verdict(few)[-1].startswith("verdict: NOT MEASURED") and \
+        f"fewer than {MIN_DRAFTER_STEPS} request-steps" in rl_verdict(few)[-1]
     assert "failed" in rl_verdict([r for r in _rl_rows({0: 0.4}) if r["arm"] != "online"])[0]
     # The learner's own paired estimate, when the rows carry it: its last round's, per order.
     own = _rl_rows({0: 0.4})

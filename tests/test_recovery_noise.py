@@ -1,8 +1,8 @@
 """The rejection sampler's recovery noise drawn only for requests with drafts
 (serving/compat/recovery_noise.py), against vLLM's own `sample_recovered_tokens`, without an
 engine: seeded requests recover the same tokens and leave their generators in the same state,
-a step without drafts draws nothing, unseeded rows keep vLLM's distribution, and outside
-`ours()` vLLM's function runs."""
+a step without drafts draws nothing, unseeded rows keep vLLM's distribution, outside `ours()`
+vLLM's function runs, and a lean draw that raises leaves vLLM's own to draw (counted)."""
 
 import random
 from types import SimpleNamespace
@@ -118,3 +118,24 @@ def test_outside_ours_vllms_own_function_runs(rs):
                                    SimpleNamespace(generators={}), CPU)
     assert R.COUNTS["drawn_rows"] == before["drawn_rows"] + 1
     assert R.COUNTS["vllm_rows"] == before["vllm_rows"] + 2
+
+
+def test_a_lean_draw_that_raises_falls_back_to_vllms_own(rs, monkeypatch):
+    from vllm_onlinespec.serving.compat import recovery_noise as R
+
+    counts = [2, 1]
+    cu, drafts, probs = step(counts, 16, 4)
+    gens = generators([0, 1], 40)
+
+    def boom(*a, **k):
+        raise RuntimeError("injected")
+
+    monkeypatch.setattr(R, "lean_sample_recovered_tokens", boom)
+    before = R.COUNTS["errors"]
+    with R.ours():
+        got = rs.sample_recovered_tokens(2, counts, cu, drafts, None, probs,
+                                         SimpleNamespace(generators=gens), CPU)
+    want = vllm_own(rs)(2, counts, cu, drafts, None, probs,
+                        SimpleNamespace(generators=generators([0, 1], 40)), CPU)
+    assert R.COUNTS["errors"] == before + 1
+    assert torch.equal(got, want)  # vLLM's own draw, from the same generators

@@ -114,8 +114,9 @@ class LengthHeadConfig(_Section):
     k0_step: Literal["deferred", "context_only", "forward"] = Field(
         "deferred", description="a step that drafts nothing runs 'deferred' (nothing: its "
         "accepted tokens' context K/V are written in one pass when the drafter next drafts), "
-        "'context_only' (those K/V now) or 'forward' (vLLM's K = 0 path); later drafts see "
-        "the same context")
+        "'context_only' (those K/V now) or 'forward' (vLLM's K = 0 path); output is the same "
+        "under each. Deferred rows are written with the weights in force when the drafter next "
+        "drafts, and rows of a request that finished before then are dropped")
     options: list[Literal["plain", "tree", "drafter"]] | None = Field(
         None, min_length=1, description="'budget' gate: what a step may verify, chosen per step "
         "by each option's measured engine cycles (policy/option_choice.py): 'plain' nothing, "

@@ -39,3 +39,7 @@ def test_ratio_is_within_each_pair_and_the_profile_is_the_median():
                      "dtype": "float32", "rounds": 1, "summary": W.summarise(rows), "rows": rows})
     assert "0.950x (0.950-0.950)" in md
     assert "batch 8: the same accepted tokens and drafts" in md and "0.50 ms of a 125.2 ms step" in md
+    assert "the worker slower in every pair" in md
+    one = W.summarise(rows[:1])  # a single run: no pair, no ratio, and the page still renders
+    assert W.markdown({"date": "d", "box": "b", "command": "c", "wall_s": 1, "max_tokens": 8,
+                       "dtype": "float32", "rounds": 1, "summary": one, "rows": rows[:1]})

@@ -49,6 +49,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import shutil
 import time
 from dataclasses import asdict, dataclass
@@ -130,6 +131,9 @@ RL_ARMS = "frozen,online"
 # A gain smaller than this (tokens per verify step; in the rl scenario, accepted draft tokens per
 # step the drafter drafted) is within what timing alone can move.
 MIN_GAIN = 0.03
+# The rl verdict's floor on the drafter's request-steps per arm and order: below it one accepted
+# token more or less moves the rate by more than MIN_GAIN.
+MIN_DRAFTER_STEPS = math.ceil(1 / MIN_GAIN)
 
 
 def add_demo_parser(sub: argparse._SubParsersAction) -> None:
@@ -244,29 +248,41 @@ def rl_verdict(rows: list[dict]) -> list[str]:
 
     online = next((r["label"] for r in rows if r["arm"] in ("online", "online-ogd")), None)
     orders = sorted({r["order"] for r in rows})
-    gains, lines = [], []
+    gains, short, lines = [], [], []
     for o in orders:
-        fr = pooled(last_half([r for r in rows if r["label"] == "frozen" and r["order"] == o]))
-        on = pooled(last_half([r for r in rows if r["label"] == online and r["order"] == o]))
-        if fr["accept_len"] is None or on["accept_len"] is None:
+        arms = {"frozen": [r for r in rows if r["label"] == "frozen" and r["order"] == o],
+                "online": [r for r in rows if r["label"] == online and r["order"] == o]}
+        if not all(arms.values()):
             return ["verdict: an arm failed; see the logs under the output folder"]
-        if fr["drafter_accept"] is None or on["drafter_accept"] is None:
-            who = "frozen" if fr["drafter_accept"] is None else "online"
-            return lines + [f"verdict: NOT MEASURED: the {who} arm's drafter drafted nothing over "
-                            f"the last half of order {o} (the budget ran plain and tree steps)"]
-        gain = round(on["drafter_accept"] - fr["drafter_accept"], 3) + 0.0
-        gains.append(gain)
-        own = [r.get("learner_gain") for r in rows if r["label"] == online and r["order"] == o]
+        fr, on = pooled(last_half(arms["frozen"])), pooled(last_half(arms["online"]))
+        steps = {a: sum(r["drafts"] - (r.get("lookup_rows") or 0) for r in last_half(rs)
+                        if r.get("drafter_accept") is not None) for a, rs in arms.items()}
+        own = [r.get("learner_gain") for r in arms["online"]]
         own_text = (f"; the learner's own paired estimate after the last round: "
                     f"{own[-1]:+.3f} accepted draft tokens per block over its start weights"
                     if own and own[-1] is not None else "")
+        verify = (f"tokens per verify step {on['accept_len']:.3f} vs {fr['accept_len']:.3f}; "
+                  if on["accept_len"] is not None and fr["accept_len"] is not None else "")
+        speed = (f"{on['tok_s']:.1f} vs {fr['tok_s']:.1f} tok/s"
+                 if on["tok_s"] is not None and fr["tok_s"] is not None else "")
+        if min(steps.values()) < MIN_DRAFTER_STEPS:
+            short.append(o)
+            lines.append(f"last half of the rounds, order {o}: the drafter drafted "
+                         f"{steps['online']} request-steps online and {steps['frozen']} frozen "
+                         f"(too few for a rate); {verify}{speed}{own_text}")
+            continue
+        gain = round(on["drafter_accept"] - fr["drafter_accept"], 3) + 0.0
+        gains.append(gain)
         lines.append(f"last half of the rounds, order {o}: the drafter's accepted tokens per "
                      f"drafted step online {on['drafter_accept']:.3f} vs frozen "
-                     f"{fr['drafter_accept']:.3f} ({gain:+.3f}); tokens per verify step "
-                     f"{on['accept_len']:.3f} vs {fr['accept_len']:.3f}; "
-                     f"{on['tok_s']:.1f} vs {fr['tok_s']:.1f} tok/s{own_text}")
-    if not gains:
+                     f"{fr['drafter_accept']:.3f} ({gain:+.3f}); {verify}{speed}{own_text}")
+    if not orders:
         return ["verdict: no rounds were served; see the logs under the output folder"]
+    if short:
+        lines.append(f"verdict: NOT MEASURED: in order(s) {', '.join(map(str, short))} the budget "
+                     f"ran the drafter on fewer than {MIN_DRAFTER_STEPS} request-steps of an arm "
+                     f"over the last half (plain and tree steps instead): too few to rate it")
+        return lines
     low = min(gains)
     if low >= MIN_GAIN:
         lines.append(f"verdict: LEARNED: the drafter kept up with the new policy, at least "

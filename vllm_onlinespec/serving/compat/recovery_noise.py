@@ -17,6 +17,7 @@ distribution). It is active only inside `ours()`, which this project's runner en
 
 from __future__ import annotations
 
+import logging
 import threading
 from contextlib import contextmanager
 from typing import Any, Iterator
@@ -24,8 +25,10 @@ from typing import Any, Iterator
 import torch
 
 _STATE = threading.local()
-# Noise rows drawn and rows vLLM's own function would have drawn, by this process's runner.
-COUNTS = {"drawn_rows": 0, "vllm_rows": 0}
+# Noise rows drawn and rows vLLM's own function would have drawn, by this process's runner;
+# lean draws that raised (vLLM's own function drew instead).
+COUNTS = {"drawn_rows": 0, "vllm_rows": 0, "errors": 0}
+logger = logging.getLogger("vllm_onlinespec")
 
 
 def lean_sample_recovered_tokens(max_spec_len: int, num_draft_tokens: list[int],
@@ -72,8 +75,17 @@ def install() -> bool:
         return True
 
     def sample_recovered_tokens(*args, **kwargs):
-        fn = lean_sample_recovered_tokens if getattr(_STATE, "active", False) else orig
-        return fn(*args, **kwargs)
+        if getattr(_STATE, "active", False):
+            try:
+                return lean_sample_recovered_tokens(*args, **kwargs)
+            except Exception as e:  # never stops vLLM's sampler: its own draw, counted
+                # (a seeded request whose generator the failed draw advanced samples this
+                # step from where it stopped: a valid sample, not the reproducible one)
+                COUNTS["errors"] += 1
+                if COUNTS["errors"] == 1 or COUNTS["errors"] % 1000 == 0:
+                    logger.warning("onlinespec: lean recovery noise failed (%s: %s; errors #%d); "
+                                   "vLLM's own draw used", type(e).__name__, e, COUNTS["errors"])
+        return orig(*args, **kwargs)
 
     sample_recovered_tokens._onlinespec_lean = True
     sample_recovered_tokens._onlinespec_vllm = orig
