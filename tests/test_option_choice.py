@@ -116,6 +116,46 @@ def test_a_price_holds_only_its_own_options_cycles():
     assert ms["tree@B8"] == pytest.approx(11.125)
 
 
+def test_a_tree_cycle_that_verified_nothing_is_priced_as_plain():
+    """The choice is made before the tree's drafts exist: a tree step that matched nothing is a
+    plain cycle and keeps the plain price current. Batch 1, plain measured once at a slow
+    moment (120 ms a token); the tree matches on 3 cycles in 10 (4 tokens in 80 ms) and
+    nothing on the others (1 token in 62 ms): the plain price follows the 62 ms cycles while
+    the tree runs, and the tree is priced by its drafted cycles."""
+    choice = OptionChoice(explore_every=16)
+    for _ in range(4):
+        choice.observe("plain", 1, 1, 0.120)
+        choice.observe("drafter", 1, 2, 0.150)
+    for i in range(200):
+        o = choice.choose(1, "tree").option
+        matched = o == "tree" and i % 10 < 3
+        tokens, seconds, drafts = {"plain": (1, 0.060, 0), "drafter": (2, 0.150, 8)}.get(
+            o, (4, 0.080, 6) if matched else (1, 0.062, 0))
+        choice.observe(o, 1, tokens, seconds, drafts=drafts)
+    ms = choice.ms_per_token()
+    assert ms["plain@B1"] == pytest.approx(62, abs=2) and ms["tree@B1"] == pytest.approx(20)
+    assert choice.tree_as_plain > 100
+    assert choice.shares()["tree"] > 0.9
+    # Without the draft count (None) a tree cycle stays the tree's.
+    other = OptionChoice()
+    other.observe("tree", 1, 1, 0.062)
+    assert other.ms_per_token() == {"tree@B1": 62.0} and other.tree_as_plain == 0
+
+
+def test_a_stall_weighs_on_a_price_as_at_most_clip_cycles():
+    """One 2 s cycle (an engine stall) in a 60 ms-a-cycle price counts as 3 cycles' time, not
+    33: the price recovers within a few of its cycles instead of dozens."""
+    choice = OptionChoice(clip=3.0)
+    for _ in range(8):
+        choice.observe("plain", 1, 1, 0.060)
+    choice.observe("plain", 1, 1, 2.0)
+    assert choice.clipped == 1
+    d = 0.5 ** (1 / choice.half_life_cycles)
+    assert choice.price("plain", 1).seconds == pytest.approx(d * 0.060 + (1 - d) * 0.180)
+    with pytest.raises(ValueError, match="clip"):
+        OptionChoice(clip=1.0)
+
+
 def test_batch_buckets_are_priced_apart():
     choice = OptionChoice(explore_every=8)
     small = {"plain": (1, 0.030), "tree": (2.2, 0.034), "drafter": (2.0, 0.040)}

@@ -605,7 +605,7 @@ def test_each_cycle_prices_the_option_it_verified_with_that_options_drafting_tim
 
     clock = [0.0]
     monkeypatch.setattr(runner_mod, "time", SimpleNamespace(perf_counter=lambda: clock[0]))
-    draft_s = iter([0.020, 0.0, 0.0, 0.030, 0.010])  # the drafter's forward per cycle
+    draft_s = iter([0.020, 0.0, 0.0, 0.030, 0.010, 0.0])  # the drafter's forward per cycle
     decided = iter(["drafter", "tree", "plain", "drafter", "tree"])
 
     class Timed(FakeVllmRunner):
@@ -636,8 +636,8 @@ def test_each_cycle_prices_the_option_it_verified_with_that_options_drafting_tim
         drafting=SimpleNamespace(
             times_cycles=True, observe_draft_time=lambda k, s: None,
             observe_cycle=lambda *a, **k: None,
-            observe_option=lambda o, B, tokens, s, slowest: priced.append(
-                (o, B, tokens, slowest, round(s, 6)))))
+            observe_option=lambda o, B, tokens, s, slowest, drafts: priced.append(
+                (o, B, tokens, slowest, round(s, 6), drafts))))
     r._onlinespec = session
     for i in range(5):
         prefill = i == 3  # a prefill chunk in cycle 3: not comparable, not priced
@@ -652,12 +652,23 @@ def test_each_cycle_prices_the_option_it_verified_with_that_options_drafting_tim
     r.execute_model(so)  # closes cycle 4
     # Cycle 0 verified nothing chosen; 1 verifies cycle 0's drafter drafts (0.020 + 0.005 of
     # drafting), 2 the tree's (0 + 0.005), 3 has prefill, 4 verifies cycle 3's drafter drafts.
-    assert priced == [("drafter", 2, 12, 5, 0.125), ("tree", 2, 12, 5, 0.105),
-                      ("drafter", 2, 12, 5, 0.135)]
+    # Each verified 8 target tokens for 2 requests: 6 draft tokens (a tree cycle with none is
+    # priced as plain by the choice).
+    assert priced == [("drafter", 2, 12, 5, 0.125, 6), ("tree", 2, 12, 5, 0.105, 6),
+                      ("drafter", 2, 12, 5, 0.135, 6)]
     # The step profile splits the target span by what each step verified (cycle 0 and the
     # steps before any choice: no option), prefill apart.
     assert {k: v[0] for k, v in r.onlinespec_profile().options.items()} == {
         "drafter@B2": 2, "tree@B2": 2, "plain@B2+prefill": 1}
+    # A cycle none of whose requests continues is not priced: both finished, and the wait for
+    # the next request may sit in its wall time (here 1 s before request "c" arrives).
+    session.drafting.option = "plain"
+    r.propose_draft_token_ids(so)
+    r.sample_tokens(None)
+    r.take_draft_token_ids()
+    clock[0] += 1.0
+    r.execute_model(SO({"c": 1}, {}, 1))
+    assert len(priced) == 3
 
 
 def test_draft_confidence_reads_the_logits_vllms_drafter_computes():

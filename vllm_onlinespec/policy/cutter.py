@@ -172,10 +172,11 @@ class DraftCutter:
         return self._next.option
 
     def observe_option(self, option: str, batch_size: int, tokens: int, seconds: float, *,
-                       slowest: int | None = None) -> None:
+                       slowest: int | None = None, drafts: int | None = None) -> None:
         """A measured cycle that verified `option`'s drafts (policy/option_choice.py)."""
         if self.options is not None:
-            self.options.observe(option, batch_size, tokens, seconds, slowest=slowest)
+            self.options.observe(option, batch_size, tokens, seconds, slowest=slowest,
+                                 drafts=drafts)
 
     def step_price(self, batch_size: int) -> StepPrice | None:
         """What pricing the next step's lookup drafts needs (policy/lookup_price.py) under the

@@ -114,11 +114,12 @@ class DraftStage:
         return self.cutter.next_option
 
     def observe_option(self, option: str, batch_size: int, tokens: int, seconds: float, *,
-                       slowest: int | None = None) -> None:
-        """A whole engine cycle without prefill that verified `option`'s drafts produced
-        `tokens` tokens in `seconds` (`slowest`: the fewest of one request), its drafting
-        included (policy/option_choice.py)."""
-        self.cutter.observe_option(option, batch_size, tokens, seconds, slowest=slowest)
+                       slowest: int | None = None, drafts: int | None = None) -> None:
+        """A whole engine cycle without prefill that verified `option`'s drafts (`drafts`
+        draft tokens) produced `tokens` tokens in `seconds` (`slowest`: the fewest of one
+        request), its drafting included (policy/option_choice.py)."""
+        self.cutter.observe_option(option, batch_size, tokens, seconds, slowest=slowest,
+                                   drafts=drafts)
 
     def seed_bound(self, req_ids: list[str]) -> list[bool]:
         """Requests whose exact sample depends on the drafts they are shown: seeded ones under

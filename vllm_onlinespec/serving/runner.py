@@ -107,15 +107,18 @@ class OnlineSpecRunnerMixin:
         with guard(G.EXECUTE_MODEL):
             self._onlinespec_tokens = int(scheduler_output.total_num_scheduled_tokens)
             self._onlinespec_timer.poll()  # earlier steps' GPU spans, now measured
-            self._close_cycle(t0)
             session = self._onlinespec
-            if session is not None and session.drafting.times_cycles:  # only the budget's gate reads them
+            timed = session is not None and session.drafting.times_cycles  # only the gate reads them
+            reqs = compat.step_req_ids(scheduler_output) if timed else frozenset()
+            self._close_cycle(t0, reqs)
+            if timed:
                 B, base = compat.step_token_counts(scheduler_output)
                 verifies = self._onlinespec_tokens > base and self._onlinespec_drafter_drafted
                 option, prev_draft_s = self._onlinespec_verifying
                 self._onlinespec_cycle = _Cycle(t0, B, self._onlinespec_tokens,
                                                 verifies_drafter=verifies, option=option,
-                                                prev_draft_s=prev_draft_s, decode_only=base == B)
+                                                prev_draft_s=prev_draft_s, decode_only=base == B,
+                                                reqs=reqs)
                 if option is not None:
                     label = f"{option}@B{batch_bucket(B)}" + ("" if base == B else "+prefill")
             self._onlinespec_span = self._onlinespec_timer.start()
@@ -240,15 +243,19 @@ class OnlineSpecRunnerMixin:
             if self._onlinespec_cycle is not None:  # drafting: the lookup's tree proposes here
                 self._onlinespec_cycle.draft_s += time.perf_counter() - t0
 
-    def _close_cycle(self, now: float) -> None:
-        """The previous engine cycle ended where this one starts: its wall time to the gate.
-        A cycle that never reached the drafter (no decode in it) prices nothing."""
+    def _close_cycle(self, now: float, reqs: frozenset = frozenset()) -> None:
+        """The previous engine cycle ended where this one starts (`reqs`: the requests this one
+        schedules): its wall time to the gate. A cycle that never reached the drafter (no
+        decode in it) prices nothing, nor one none of whose requests continues now: they all
+        finished, and the engine may have waited for the next request inside its wall time
+        (at batch 1, every request's last cycle)."""
         cycle, session = self._onlinespec_cycle, self._onlinespec
         self._onlinespec_cycle = None
         self._onlinespec_drafter_drafted = cycle is not None and cycle.drafter_drafted
         self._onlinespec_verifying = ((cycle.decided, cycle.draft_s)
                                       if cycle is not None and cycle.proposed else (None, 0.0))
-        if cycle is not None and cycle.proposed and session is not None:
+        if (cycle is not None and cycle.proposed and session is not None
+                and not cycle.reqs.isdisjoint(reqs)):
             session.drafting.observe_cycle(cycle.k, cycle.batch, cycle.tokens, now - cycle.start,
                                            drafter_verified=cycle.verifies_drafter)
             if cycle.option is not None and cycle.decode_only and cycle.produced:
@@ -256,7 +263,8 @@ class OnlineSpecRunnerMixin:
                 # verified (the cycle before) is this option's.
                 seconds = now - cycle.start - cycle.draft_s + cycle.prev_draft_s
                 session.drafting.observe_option(cycle.option, cycle.batch, cycle.produced,
-                                                seconds, slowest=cycle.slowest)
+                                                seconds, slowest=cycle.slowest,
+                                                drafts=cycle.tokens - cycle.batch)
 
     def onlinespec_profile(self) -> StepProfile:
         return self._onlinespec_profile
@@ -307,6 +315,7 @@ class _Cycle:
     decode_only: bool = False
     produced: int | None = None  # tokens the step produced (1 + accepted per request)
     slowest: int | None = None  # the fewest one request produced
+    reqs: frozenset = frozenset()  # the requests it scheduled
 
     @property
     def drafter_drafted(self) -> bool:

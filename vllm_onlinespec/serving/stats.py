@@ -126,6 +126,8 @@ class CutterStats:
     # measured cycles cost per produced token by batch bucket ("tree@B8": ms).
     option_steps: dict[str, int] = field(default_factory=dict)
     option_ms_per_token: dict[str, float] = field(default_factory=dict)
+    option_tree_as_plain: int = 0  # tree cycles that verified nothing, priced as plain ones
+    option_clipped: int = 0  # cycles counted at the clip (stalls), not their measured length
 
     @classmethod
     def from_cutter(cls, c: Any) -> "CutterStats":
@@ -140,6 +142,8 @@ class CutterStats:
                    gate_overhead_s=g.overhead.as_dict() if g else {},
                    option_steps=dict(c.options.chosen) if c.options else {},
                    option_ms_per_token=c.options.ms_per_token() if c.options else {},
+                   option_tree_as_plain=c.options.tree_as_plain if c.options else 0,
+                   option_clipped=c.options.clipped if c.options else 0,
                    **_estimator_fields(c))
 
 

@@ -36,7 +36,7 @@ from vllm_onlinespec.serving.compat.step_view import (StepView, accepted_counts,
                                                       draft_token_ids_type, own_features,
                                                       request_tokens,
                                                       seeded_requests,
-                                                      step_token_counts, step_view,
+                                                      step_req_ids, step_token_counts, step_view,
                                                       tokens_before_bookkeeping,
                                                       with_spec_tokens)
 from vllm_onlinespec.serving.compat.vllm_config import (WORKER_QUALNAME, additional_config,
@@ -56,6 +56,6 @@ __all__ = [
     "draft_model_path", "draft_token_ids_type", "gpu_memory_utilization", "drafter_loading", "drafter_module",
     "install_context_only_k0", "install_lean_recovery_noise", "is_cpu", "lean_recovery_noise",
     "load_draft_weights", "num_speculative_tokens", "own_features", "target_hidden_size", "ours_requested", "preload_intel_openmp",
-    "read_draft_weights", "repack_drafter_linears", "request_tokens", "seeded_requests", "spec_method", "step_token_counts", "step_view", "tokens_before_bookkeeping", "with_spec_tokens", "target_embed_and_head", "tensor_parallel_size",
+    "read_draft_weights", "repack_drafter_linears", "request_tokens", "seeded_requests", "spec_method", "step_req_ids", "step_token_counts", "step_view", "tokens_before_bookkeeping", "with_spec_tokens", "target_embed_and_head", "tensor_parallel_size",
     "time_target_steps", "wrap_draft_confidence", "wrap_draft_ids", "wrap_draft_sampler", "wrap_drafter_load",
 ]

@@ -101,6 +101,11 @@ def step_token_counts(scheduler_output: Any) -> tuple[int, int]:
     return B, max(B, int(scheduler_output.total_num_scheduled_tokens) - spec)
 
 
+def step_req_ids(scheduler_output: Any) -> frozenset:
+    """The ids of the requests a step schedules."""
+    return frozenset(scheduler_output.num_scheduled_tokens)
+
+
 def with_spec_tokens(scheduler_output: Any, k: int) -> Any:
     """A copy asking the drafter for k tokens (the field vLLM's dynamic K sets per step,
     sched/output.py:309, read by the runner at gpu_model_runner.py:4763). A copy: with an
