@@ -378,6 +378,23 @@ def test_session_takes_the_tree_where_its_score_clears_the_threshold():
     assert s.cut_drafts(drafts).draft_token_ids == [[0, 0, 0, 0]] and not s.lookup.pending
 
 
+def test_a_tree_draft_below_the_threshold_fills_a_request_the_drafter_left_empty():
+    """suffix_min_score chooses between the tree and the drafter: where the drafter drafted
+    nothing for a request (a K = 0 step the budget gave to the tree, or a block cut to
+    nothing) any tree draft is verified, as vLLM's suffix decoding verifies it; where the
+    drafter has a block, the threshold still decides."""
+    hist = {"a": [5, 6, 7, 8, 9, 10, 5, 6, 7], "b": [5, 6, 7, 8, 9, 10, 5, 6, 7]}
+    s = tree_session(hist, suffix_min_score=9.0)
+    drafts = SimpleNamespace(req_ids=["a", "b"], draft_token_ids=[[], [0, 0, 0, 0]])
+    assert s.cut_drafts(drafts).draft_token_ids == [[8, 9, 10], [0, 0, 0, 0]]
+    assert s.lookup.pending == {"a"} and s.lookup.weak_rows == 1
+    # It is a lookup row like a confident one: counted and calibrated as the tree's.
+    view = make_view(num_draft=(3, 4), sched=(4, 5))
+    s.after_step(None, view, [[8, 9, -1, -1], [0, -1, -1, -1, -1]])
+    assert (s.lookup.rows, s.lookup.drafted, s.lookup.accepted) == (1, 3, 1)
+    assert s.lookup.calibration.expected > 1.0
+
+
 def test_suffix_tree_keeps_seeded_requests_on_their_own_text():
     s = tree_session({"a": [7, 8], "b": [2, 9, 3, 1]})
     s.cut_drafts(SimpleNamespace(req_ids=["a"], draft_token_ids=[[0] * 4]))

@@ -51,6 +51,7 @@ METRICS: dict[str, tuple[str, Callable[[OnlineSpecStats], Any], str]] = {
     "onlinespec:lookup_draft_tokens": ("counter", lambda s: s.lookup_drafted, "draft tokens verified that came from prompt lookup instead of the drafter"),
     "onlinespec:lookup_accepted_tokens": ("counter", lambda s: s.lookup_accepted, "of those, accepted by the target"),
     "onlinespec:lookup_priced_cut_tokens": ("counter", lambda s: s.lookup_priced_cut, "suffix-tree draft tokens the budget left unverified (they did not pay)"),
+    "onlinespec:lookup_weak_drafts": ("counter", lambda s: s.lookup_weak_rows, "suffix-tree drafts below suffix_min_score verified where the drafter drafted nothing for the request"),
     "onlinespec:acceptance_mse": ("gauge", lambda s: s.cutter.estimator_mse if s.cutter.estimator_mse is not None else s.cutter.head_mse, "squared error of the acceptance estimate in use (confidence estimator, else length head) on exact verification labels, decayed"),
     "onlinespec:acceptance_population_mse": ("gauge", lambda s: s.cutter.estimator_population_mse if s.cutter.estimator_mse is not None else s.cutter.head_population_mse, "the population estimate's squared error on the same labels"),
 }

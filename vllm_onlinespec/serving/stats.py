@@ -168,6 +168,7 @@ class OnlineSpecStats:
     lookup_recent_rows: int = 0  # request-steps whose lookup draft came from other requests' text
     lookup_skipped_steps: int = 0  # steps every request drafted by lookup: no drafter forward
     lookup_priced_cut: int = 0  # tree draft tokens the budget left unverified (they did not pay)
+    lookup_weak_rows: int = 0  # tree drafts below suffix_min_score taken where the drafter had none
     lookup_calibration: float = 1.0  # accepted / the tree's expected tokens, as verified
     invariant_mode: str = "off"  # sampling.invariant as resolved: "seeded", "all" or "off"
     invariant_rows: int = 0  # sampled request-steps verified drafter-invariantly
@@ -232,6 +233,7 @@ def lookup_fields(lookup: Any) -> dict[str, float]:
     return {"lookup_rows": lookup.rows, "lookup_drafted": lookup.drafted,
             "lookup_accepted": lookup.accepted, "lookup_recent_rows": lookup.recent_rows,
             "lookup_skipped_steps": lookup.skipped_steps, "lookup_priced_cut": lookup.priced_cut,
+            "lookup_weak_rows": lookup.weak_rows,
             "lookup_calibration": round(lookup.calibration.scale, 4)}
 
 
