@@ -135,8 +135,26 @@ ARM_SUFFIXES: dict[str, tuple[str, dict]] = {
 }
 
 
+# <arm><suffix>: the arm's engine process started with these environment variables.
+# +gomp: no Intel OpenMP preloaded (serving/openmp.py), torch's libgomp as vLLM's own arms run.
+ENV_SUFFIXES: dict[str, dict[str, str]] = {"+gomp": {"VLLM_ONLINESPEC_IOMP": "0"}}
+
+
+def _split_env(name: str) -> tuple[str, dict[str, str]]:
+    """(the arm name without environment suffixes, the environment they set)."""
+    env: dict[str, str] = {}
+    again = True
+    while again:
+        again = False
+        for sfx, setting in ENV_SUFFIXES.items():
+            if name.endswith(sfx):
+                name, env, again = name[: -len(sfx)], {**setting, **env}, True
+    return name, env
+
+
 def _parse(name: str) -> tuple[str, dict | None]:
     """(method, onlinespec overrides or None) for an arm name."""
+    name = _split_env(name)[0]
     for sfx, (section, setting) in ARM_SUFFIXES.items():
         if name.endswith(sfx):
             base = name[: -len(sfx)]
@@ -170,7 +188,8 @@ def _parse(name: str) -> tuple[str, dict | None]:
                      "frozen, k0, shadow, "
                      + ", ".join(f"online-{a}" for a in ALGORITHMS) + ", "
                      + ", ".join(POLICIES) + ", frozen-<policy>, and <our arm>+lookup, +tree, "
-                     "+nolookup, +confidence, +unpriced, +gateonly, +slowest, +contextnow or +coupled")
+                     "+nolookup, +confidence, +unpriced, +gateonly, +slowest, +contextnow or +coupled; "
+                     "any arm +gomp")
 
 
 def merge_sections(base: dict, over: dict) -> dict:
@@ -235,6 +254,9 @@ def make_arm(name: str, *, target: str, prompts: str, out_dir: str | Path,
             k = suffix_k(name)
         else:
             k = num_speculative_tokens or (TREE_K if tree else drafter_k(drafter) if drafter else 4)
+    env = _split_env(name)[1]
+    if env:
+        spec_kw["env"] = {**spec_kw.get("env", {}), **env}
     return ArmSpec(name=name, target=target, prompts=str(prompts),
                    out=str(Path(out_dir) / "arms" / f"{name}.json"), method=method,
                    drafter=drafter if method == "dflash" else None,
