@@ -142,6 +142,31 @@ def test_a_tree_cycle_that_verified_nothing_is_priced_as_plain():
     assert other.ms_per_token() == {"tree@B1": 62.0} and other.tree_as_plain == 0
 
 
+def test_a_rarely_measured_price_forgets_by_steps():
+    """Batch 1: the drafter is the best (2 tokens in 100 ms a cycle) and the tree, explored,
+    measured at 1.4 in 100 ms; then the text turns repetitive and the tree's cycles yield 3 in
+    100 ms. Explored once in 32-256 steps, the tree's price must follow within a few of its
+    cycles: forgetting by its own cycles alone (half-life 16) the switch took 356 steps."""
+    def switch_after(half_life_steps):
+        choice = OptionChoice(explore_every=16, half_life_steps=half_life_steps)
+        table = {"plain": (1, 0.060, 0), "tree": (1.4, 0.100, 4), "drafter": (2, 0.100, 8)}
+        picks = []
+        for step in range(1600):
+            if step == 600:
+                table["tree"] = (3, 0.100, 4)
+            o = choice.choose(1, "drafter").option
+            tokens, seconds, drafts = table[o]
+            choice.observe(o, 1, tokens, seconds, drafts=drafts)
+            picks.append(o)
+        after = picks[600:]
+        return next((i for i in range(len(after)) if after[i:i + 20].count("tree") >= 18), None)
+
+    assert switch_after(128.0) <= 130  # 96
+    assert switch_after(1e9) >= 250  # by its own cycles alone: 356
+    with pytest.raises(ValueError, match="half_life_steps"):
+        OptionChoice(half_life_steps=0)
+
+
 def test_a_stall_weighs_on_a_price_as_at_most_clip_cycles():
     """One 2 s cycle (an engine stall) in a 60 ms-a-cycle price counts as 3 cycles' time, not
     33: the price recovers within a few of its cycles instead of dozens."""

@@ -136,8 +136,10 @@ ARM_SUFFIXES: dict[str, tuple[str, dict]] = {
 
 
 # <arm><suffix>: the arm's engine process started with these environment variables.
-# +gomp: no Intel OpenMP preloaded (serving/openmp.py), torch's libgomp as vLLM's own arms run.
-ENV_SUFFIXES: dict[str, dict[str, str]] = {"+gomp": {"VLLM_ONLINESPEC_IOMP": "0"}}
+# +iomp: Intel OpenMP preloaded for this project's engines (serving/openmp.py); +gomp: torch's
+# libgomp, as vLLM's own arms run (the default).
+ENV_SUFFIXES: dict[str, dict[str, str]] = {"+iomp": {"VLLM_ONLINESPEC_IOMP": "1"},
+                                           "+gomp": {"VLLM_ONLINESPEC_IOMP": "0"}}
 
 
 def _split_env(name: str) -> tuple[str, dict[str, str]]:
@@ -189,7 +191,7 @@ def _parse(name: str) -> tuple[str, dict | None]:
                      + ", ".join(f"online-{a}" for a in ALGORITHMS) + ", "
                      + ", ".join(POLICIES) + ", frozen-<policy>, and <our arm>+lookup, +tree, "
                      "+nolookup, +confidence, +unpriced, +gateonly, +slowest, +contextnow or +coupled; "
-                     "any arm +gomp")
+                     "any arm +iomp or +gomp")
 
 
 def merge_sections(base: dict, over: dict) -> dict:
