@@ -1,6 +1,5 @@
-"""The Intel OpenMP preload decision (serving/openmp.py): off unless asked for, x86 only,
-idempotent, never a duplicate or a second runtime, off when the library is missing, one log
-line either way."""
+"""The Intel OpenMP preload decision (serving/openmp.py): x86 only, idempotent, never a
+duplicate or a second runtime, off when the library is missing, one log line either way."""
 
 import logging
 import os
@@ -13,23 +12,23 @@ LIB = "/venv/lib/libiomp5.so"
 
 
 def test_preloads_on_x86_when_the_library_is_there():
-    d = openmp.decide("", x86=True, libiomp=LIB, opt_in=True)
+    d = openmp.decide("", x86=True, libiomp=LIB)
     assert d.on and d.ld_preload == LIB and "on" in d.line()
-    d = openmp.decide("/x/libtcmalloc.so", x86=True, libiomp=LIB, opt_in=True)
+    d = openmp.decide("/x/libtcmalloc.so", x86=True, libiomp=LIB)
     assert d.on and d.ld_preload == f"/x/libtcmalloc.so:{LIB}"
 
 
 def test_idempotent_and_never_duplicated():
-    once = openmp.decide("/x/libtcmalloc.so", x86=True, libiomp=LIB, opt_in=True)
-    twice = openmp.decide(once.ld_preload, x86=True, libiomp=LIB, opt_in=True)
+    once = openmp.decide("/x/libtcmalloc.so", x86=True, libiomp=LIB)
+    twice = openmp.decide(once.ld_preload, x86=True, libiomp=LIB)
     assert twice.ld_preload == once.ld_preload and twice.ld_preload.count("libiomp5") == 1
     assert twice.on and "already" in twice.reason
 
 
 @pytest.mark.parametrize("kw,why", [
-    (dict(x86=False, libiomp=LIB, opt_in=True), "not an x86"),
-    (dict(x86=True, libiomp=None, opt_in=True), "not found"),
-    (dict(x86=True, libiomp=LIB), "VLLM_ONLINESPEC_IOMP=1 preloads"),
+    (dict(x86=False, libiomp=LIB), "not an x86"),
+    (dict(x86=True, libiomp=None), "not found"),
+    (dict(x86=True, libiomp=LIB, opt_out=True), "VLLM_ONLINESPEC_IOMP=0"),
 ])
 def test_off_says_why(kw, why):
     d = openmp.decide("/x/libtcmalloc.so", **kw)
@@ -37,7 +36,7 @@ def test_off_says_why(kw, why):
 
 
 def test_never_next_to_another_openmp_runtime():
-    d = openmp.decide("/torch.libs/libgomp-a34b3233.so.1", x86=True, libiomp=LIB, opt_in=True)
+    d = openmp.decide("/torch.libs/libgomp-a34b3233.so.1", x86=True, libiomp=LIB)
     assert not d.on and "libgomp" in d.reason and "libiomp" not in d.ld_preload
 
 
@@ -58,7 +57,6 @@ def test_engine_args_hook_sets_ld_preload_for_our_speculative_engines(monkeypatc
     if not openmp.is_x86() or openmp.find_libiomp() is None:
         pytest.skip("needs x86 and the venv's libiomp5.so")
     monkeypatch.setenv("LD_PRELOAD", "")
-    monkeypatch.setenv(openmp.OPT_IN_ENV, "1")
     monkeypatch.delenv(openmp.BLOCKTIME_ENV, raising=False)
     monkeypatch.setattr(patches, "_logged", set())
     assert not vllm_config.ours_requested(EngineArgs(model="x"))
@@ -81,7 +79,7 @@ def test_a_users_blocktime_is_kept(monkeypatch):
         pytest.skip("needs x86 and the venv's libiomp5.so")
     monkeypatch.setenv("LD_PRELOAD", "")
     monkeypatch.setenv(openmp.BLOCKTIME_ENV, "7")
-    monkeypatch.setenv(openmp.OPT_IN_ENV, "1")
+    monkeypatch.delenv(openmp.OPT_OUT_ENV, raising=False)
     assert openmp.apply_for_speculative_engine().on
     assert os.environ[openmp.BLOCKTIME_ENV] == "7"
 
@@ -89,7 +87,6 @@ def test_a_users_blocktime_is_kept(monkeypatch):
 def test_no_blocktime_without_the_preload(monkeypatch):
     monkeypatch.setenv("LD_PRELOAD", "")
     monkeypatch.delenv(openmp.BLOCKTIME_ENV, raising=False)
-    monkeypatch.delenv(openmp.OPT_IN_ENV, raising=False)  # the default
-    d = openmp.apply_for_speculative_engine()
-    assert not d.on and "libgomp" in d.reason and os.environ["LD_PRELOAD"] == ""
+    monkeypatch.setenv(openmp.OPT_OUT_ENV, "0")
+    assert not openmp.apply_for_speculative_engine().on
     assert openmp.BLOCKTIME_ENV not in os.environ
