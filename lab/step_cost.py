@@ -205,6 +205,8 @@ def _child_env(arm: ArmConf) -> dict:
             env["LD_PRELOAD"] = ":".join(x for x in (env.get("LD_PRELOAD"), lib) if x)
     elif arm.iomp == "off":
         env["VLLM_ONLINESPEC_IOMP"] = "0"
+    elif arm.iomp == "auto":
+        env.pop("VLLM_ONLINESPEC_IOMP", None)  # the project's default
     if arm.oracle is not None:
         env["VLLM_ONLINESPEC_BENCHMARK_ORACLE"] = "1"
     return env
@@ -268,9 +270,8 @@ def markdown(rows: list[Row], meta: dict) -> str:
            f"{meta['max_tokens']} tokens per request (`ignore_eos`), batches {meta['batches']}, "
            f"{meta['repeats']} repeats per point (median, min-max). One engine at a time. "
            f"`oracle` accepts every draft (benchmark-only; its output is NOT the target's). "
-           f"`iomp`: Intel OpenMP preloaded for vLLM's workers (this project does it by default "
-           f"for its own speculative engines; `nospec+iomp`, `ngram`, `dflash-vllm` preload it "
-           f"by hand). Wall time {meta['wall_s']:.0f} s. Box: {meta.get('box', 'not recorded')}.",
+           f"`iomp`: Intel OpenMP preloaded for vLLM's workers (this project does it with "
+           f"VLLM_ONLINESPEC_IOMP=1; `nospec+iomp`, `ngram`, `dflash-vllm` preload it by hand). Wall time {meta['wall_s']:.0f} s. Box: {meta.get('box', 'not recorded')}.",
            "",
            "| arm | K | batch | tok/s (min-max) | vs nospec | ms/step (min-max) | accept len | "
            "tokens/step/request | verify tok/step |", "|---|---|---|---|---|---|---|---|---|"]

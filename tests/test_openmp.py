@@ -1,5 +1,6 @@
-"""The Intel OpenMP preload decision (serving/openmp.py): x86 only, idempotent, never a
-duplicate or a second runtime, off when the library is missing, one log line either way."""
+"""The Intel OpenMP preload decision (serving/openmp.py): off unless asked for, x86 only,
+idempotent, never a duplicate or a second runtime, off when the library is missing, one log
+line either way."""
 
 import logging
 import os
@@ -12,23 +13,23 @@ LIB = "/venv/lib/libiomp5.so"
 
 
 def test_preloads_on_x86_when_the_library_is_there():
-    d = openmp.decide("", x86=True, libiomp=LIB)
+    d = openmp.decide("", x86=True, libiomp=LIB, opt_in=True)
     assert d.on and d.ld_preload == LIB and "on" in d.line()
-    d = openmp.decide("/x/libtcmalloc.so", x86=True, libiomp=LIB)
+    d = openmp.decide("/x/libtcmalloc.so", x86=True, libiomp=LIB, opt_in=True)
     assert d.on and d.ld_preload == f"/x/libtcmalloc.so:{LIB}"
 
 
 def test_idempotent_and_never_duplicated():
-    once = openmp.decide("/x/libtcmalloc.so", x86=True, libiomp=LIB)
-    twice = openmp.decide(once.ld_preload, x86=True, libiomp=LIB)
+    once = openmp.decide("/x/libtcmalloc.so", x86=True, libiomp=LIB, opt_in=True)
+    twice = openmp.decide(once.ld_preload, x86=True, libiomp=LIB, opt_in=True)
     assert twice.ld_preload == once.ld_preload and twice.ld_preload.count("libiomp5") == 1
     assert twice.on and "already" in twice.reason
 
 
 @pytest.mark.parametrize("kw,why", [
-    (dict(x86=False, libiomp=LIB), "not an x86"),
-    (dict(x86=True, libiomp=None), "not found"),
-    (dict(x86=True, libiomp=LIB, opt_out=True), "VLLM_ONLINESPEC_IOMP=0"),
+    (dict(x86=False, libiomp=LIB, opt_in=True), "not an x86"),
+    (dict(x86=True, libiomp=None, opt_in=True), "not found"),
+    (dict(x86=True, libiomp=LIB), "VLLM_ONLINESPEC_IOMP=1 preloads"),
 ])
 def test_off_says_why(kw, why):
     d = openmp.decide("/x/libtcmalloc.so", **kw)
@@ -36,7 +37,7 @@ def test_off_says_why(kw, why):
 
 
 def test_never_next_to_another_openmp_runtime():
-    d = openmp.decide("/torch.libs/libgomp-a34b3233.so.1", x86=True, libiomp=LIB)
+    d = openmp.decide("/torch.libs/libgomp-a34b3233.so.1", x86=True, libiomp=LIB, opt_in=True)
     assert not d.on and "libgomp" in d.reason and "libiomp" not in d.ld_preload
 
 
@@ -57,6 +58,7 @@ def test_engine_args_hook_sets_ld_preload_for_our_speculative_engines(monkeypatc
     if not openmp.is_x86() or openmp.find_libiomp() is None:
         pytest.skip("needs x86 and the venv's libiomp5.so")
     monkeypatch.setenv("LD_PRELOAD", "")
+    monkeypatch.setenv(openmp.OPT_IN_ENV, "1")
     monkeypatch.delenv(openmp.BLOCKTIME_ENV, raising=False)
     monkeypatch.setattr(patches, "_logged", set())
     assert not vllm_config.ours_requested(EngineArgs(model="x"))
@@ -79,7 +81,7 @@ def test_a_users_blocktime_is_kept(monkeypatch):
         pytest.skip("needs x86 and the venv's libiomp5.so")
     monkeypatch.setenv("LD_PRELOAD", "")
     monkeypatch.setenv(openmp.BLOCKTIME_ENV, "7")
-    monkeypatch.delenv(openmp.OPT_OUT_ENV, raising=False)
+    monkeypatch.setenv(openmp.OPT_IN_ENV, "1")
     assert openmp.apply_for_speculative_engine().on
     assert os.environ[openmp.BLOCKTIME_ENV] == "7"
 
@@ -87,6 +89,7 @@ def test_a_users_blocktime_is_kept(monkeypatch):
 def test_no_blocktime_without_the_preload(monkeypatch):
     monkeypatch.setenv("LD_PRELOAD", "")
     monkeypatch.delenv(openmp.BLOCKTIME_ENV, raising=False)
-    monkeypatch.setenv(openmp.OPT_OUT_ENV, "0")
-    assert not openmp.apply_for_speculative_engine().on
+    monkeypatch.delenv(openmp.OPT_IN_ENV, raising=False)  # the default
+    d = openmp.apply_for_speculative_engine()
+    assert not d.on and "libgomp" in d.reason and os.environ["LD_PRELOAD"] == ""
     assert openmp.BLOCKTIME_ENV not in os.environ

@@ -136,8 +136,8 @@ ARM_SUFFIXES: dict[str, tuple[str, dict]] = {
 
 
 # <arm><suffix>: the arm's engine process started with these environment variables.
-# +gomp: torch's libgomp, as vLLM's own arms run; +iomp: Intel OpenMP preloaded for this
-# project's engines (serving/openmp.py, the default: the suffix only says so).
+# +iomp: Intel OpenMP preloaded for this project's engines (serving/openmp.py); +gomp: torch's
+# libgomp, as vLLM's own arms run (the default).
 ENV_SUFFIXES: dict[str, dict[str, str]] = {"+iomp": {"VLLM_ONLINESPEC_IOMP": "1"},
                                            "+gomp": {"VLLM_ONLINESPEC_IOMP": "0"}}
 

@@ -1,20 +1,21 @@
-"""Intel OpenMP for vLLM's CPU workers when this project's speculative decoding runs on x86.
+"""Intel OpenMP for vLLM's CPU workers: off by default, `VLLM_ONLINESPEC_IOMP=1` preloads it.
 
 vLLM's CPU worker warns that speculative decoding without libiomp5 in LD_PRELOAD "will cause
-significant performance loss" (cpu_worker.py:128); measured here, a DFlash arm ran 22 % faster
-with it (plain decoding +4 %). LD_PRELOAD only acts when a process starts, so it has to be in
-the environment of the process that spawns vLLM's engine core and workers -- the one that
-builds the engine config, where this plugin's config hook runs. vLLM's CPU platform, in the
-same call, preloads torch's libgomp unless LD_PRELOAD already names an OpenMP runtime
-(platforms/cpu.py:442); setting libiomp5 first makes it skip libgomp, so one runtime loads.
+significant performance loss" (cpu_worker.py:128). Measured on three 2-vCPU boxes it did not
+pay: on an AVX512-BF16 Xeon it changed nothing measurable (step_cost.md); on a Xeon without
+bf16 the served K = 0 floor ran 0.85x plain decoding with it, 0.91x without
+(k0_served.md); on a Zen 3 EPYC (float32) the K = 0 floor's target forward took 13 % longer
+with it at batch 8, in the same run (dominance_b8.md). So this project's engines run torch's
+libgomp, as vLLM's own engines do, unless the user asks for Intel's runtime.
 
-LD_PRELOAD reaches every process vLLM spawns, not only the workers: the engine core and the API
-server load libiomp5 too, and Intel's runtime keeps its threads spinning 200 ms after each
-parallel region by default (KMP_BLOCKTIME). vLLM sets 5 ms for its workers only
-(utils/ompmultiprocessing.py:89); the other processes share the box's cores with the worker's
-forward. Under `vllm serve` on a 2-vCPU box a K = 0 step served 0.85x plain decoding with the
-default, 0.92x with KMP_BLOCKTIME=0 and 0.91x without libiomp5 (docs/results/k0_served.md), so
-the preload comes with KMP_BLOCKTIME=0 unless the user set one; the workers keep vLLM's 5 ms.
+Asked for, LD_PRELOAD has to be set in the environment of the process that spawns vLLM's
+engine core and workers -- the one that builds the engine config, where this plugin's config
+hook runs. vLLM's CPU platform, in the same call, preloads torch's libgomp unless LD_PRELOAD
+already names an OpenMP runtime (platforms/cpu.py:442); setting libiomp5 first makes it skip
+libgomp, so one runtime loads. LD_PRELOAD reaches every process vLLM spawns, and Intel's
+runtime keeps its threads spinning 200 ms after each parallel region by default
+(KMP_BLOCKTIME); vLLM sets 5 ms for its workers only (utils/ompmultiprocessing.py:89), so the
+preload comes with KMP_BLOCKTIME=0 unless the user set one.
 
 The decision is a pure function so that it is tested without an engine.
 """
@@ -28,7 +29,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-OPT_OUT_ENV = "VLLM_ONLINESPEC_IOMP"  # "0" keeps LD_PRELOAD as it is
+OPT_IN_ENV = "VLLM_ONLINESPEC_IOMP"  # "1" preloads Intel OpenMP; unset or "0" leaves LD_PRELOAD
 BLOCKTIME_ENV = "KMP_BLOCKTIME"
 _OPENMP_RUNTIMES = ("libiomp", "libgomp", "libomp")
 
@@ -57,14 +58,15 @@ def is_x86(machine: str | None = None) -> bool:
     return (machine or platform.machine()).lower() in ("x86_64", "amd64", "i686", "x86")
 
 
-def decide(ld_preload: str, *, x86: bool, libiomp: str | None, opt_out: bool = False) -> PreloadDecision:
+def decide(ld_preload: str, *, x86: bool, libiomp: str | None, opt_in: bool = False) -> PreloadDecision:
     """What LD_PRELOAD should be for a speculative engine: idempotent, never a duplicate, and
     never a second OpenMP runtime next to one the user chose."""
     entries = [e for e in ld_preload.replace(" ", ":").split(":") if e]
     if any("libiomp" in Path(e).name for e in entries):
         return PreloadDecision(ld_preload, True, "already in LD_PRELOAD")
-    if opt_out:
-        return PreloadDecision(ld_preload, False, f"{OPT_OUT_ENV}=0")
+    if not opt_in:
+        return PreloadDecision(ld_preload, False, f"torch's libgomp, as vLLM's own engines "
+                               f"({OPT_IN_ENV}=1 preloads Intel's)")
     if not x86:
         return PreloadDecision(ld_preload, False, "not an x86 CPU (libiomp5 is Intel's runtime)")
     other = [e for e in entries if any(r in Path(e).name for r in _OPENMP_RUNTIMES)]
@@ -80,7 +82,7 @@ def decide(ld_preload: str, *, x86: bool, libiomp: str | None, opt_out: bool = F
 def apply_for_speculative_engine() -> PreloadDecision:
     """Decide from this process's environment and set LD_PRELOAD for the processes it spawns."""
     d = decide(os.environ.get("LD_PRELOAD", ""), x86=is_x86(), libiomp=find_libiomp(),
-               opt_out=os.environ.get(OPT_OUT_ENV, "1") == "0")
+               opt_in=os.environ.get(OPT_IN_ENV, "0") == "1")
     if d.on and d.ld_preload != os.environ.get("LD_PRELOAD", ""):
         os.environ["LD_PRELOAD"] = d.ld_preload
     if d.on:
