@@ -406,6 +406,38 @@ def test_rl_demo_verdict_needs_the_drafters_gain_in_every_order_over_the_last_ha
     assert "paired estimate" not in both[0]
 
 
+def test_rl_demo_verdict_reads_the_learners_paired_estimate_where_the_drafter_barely_served():
+    """Too few served drafter steps for a rate: the order is judged by the learner's paired
+    estimate on fresh verified text, which must clear MIN_GAIN at t >= MIN_GAIN_T."""
+    from vllm_onlinespec.bench.demo import MIN_DRAFTER_STEPS, MIN_GAIN, MIN_GAIN_T, rl_verdict
+
+    def rows(gain, t, few_orders=(1,), frozen_late=0.30):
+        out = _rl_rows({0: 0.45, 1: 0.45}, frozen_late=frozen_late)
+        for r in out:
+            if r["order"] in few_orders:
+                r["lookup_rows"] = 200 - (MIN_DRAFTER_STEPS - 1) // 2
+            if r["arm"] == "online":
+                r.update(learner_gain=gain, learner_gain_t=t)
+        return out
+
+    ok = rl_verdict(rows(0.11, 3.5))
+    assert ok[-1].startswith("verdict: LEARNED: the drafter kept up with the new policy, at least "
+                             "+0.110") and "order(s) 1 by the learner's paired estimate" in ok[-1]
+    assert "(t 3.5)" in ok[1] and "too few for a rate" in ok[1]
+    weak = rl_verdict(rows(0.11, MIN_GAIN_T - 0.1))
+    assert weak[-1].startswith("verdict: NOT LEARNED: in order(s) 1 the learner's paired "
+                               "estimate is below t")
+    small = rl_verdict(rows(MIN_GAIN / 2, 9.0, few_orders=(0, 1)))
+    assert small[-1].startswith("verdict: NOT LEARNED: the smallest gain over the start weights "
+                                "is +0.015") and "order(s) 0, 1" in small[-1]
+    # the served rate, where there is one, still decides: a served loss is not outvoted
+    lost = rows(0.2, 9.0, frozen_late=0.60)
+    assert rl_verdict(lost)[-1].startswith("verdict: NOT LEARNED: the smallest gain over the "
+                                           "start weights is -0.150")
+    none = rows(None, None)
+    assert rl_verdict(none)[-1].startswith("verdict: NOT MEASURED: in order(s) 1 ")
+
+
 def test_rl_demo_plan_fits_the_built_in_prompts_and_pushes_a_new_policy():
     from vllm_onlinespec.bench import prompts as P
     from vllm_onlinespec.bench.demo import RL_PLANS, RL_VERSIONS

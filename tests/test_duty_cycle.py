@@ -100,3 +100,18 @@ def test_mean_gain_is_the_windows_paired_difference():
     for u, (cur, ref) in enumerate([(1.0, 0.5)] * 3 + [(2.0, 1.0)] * 6):
         d.observe(GainScore(update=u, current=cur, reference=ref))
     assert d.mean_gain == pytest.approx(1.0)  # only the last 6 (window) scores count
+
+
+def test_gain_t_is_the_windows_mean_over_its_standard_error():
+    from vllm_onlinespec.learner.duty_cycle import DutyCycle, GainScore
+
+    d = DutyCycle(0.05, 0.5, window=6)
+    gains = [0.1, 0.3, 0.2, 0.0, 0.4, 0.2]
+    for u, g in enumerate(gains[:2]):
+        d.observe(GainScore(update=u, current=1.0 + g, reference=1.0))
+    assert math.isnan(d.gain_t)  # fewer than 3 scores
+    for u, g in enumerate(gains[2:], start=2):
+        d.observe(GainScore(update=u, current=1.0 + g, reference=1.0))
+    m = sum(gains) / 6
+    se = math.sqrt(sum((g - m) ** 2 for g in gains) / 5) / math.sqrt(6)
+    assert d.gain_t == pytest.approx(m / se)

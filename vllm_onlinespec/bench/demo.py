@@ -134,6 +134,10 @@ MIN_GAIN = 0.03
 # The rl verdict's floor on the drafter's request-steps per arm and order: below it one accepted
 # token more or less moves the rate by more than MIN_GAIN.
 MIN_DRAFTER_STEPS = math.ceil(1 / MIN_GAIN)
+# Where the budget served the drafter on too few steps, the rl verdict reads the learner's own
+# paired estimate instead (current minus start weights on fresh verified text, scored before
+# it trains on it): its mean must clear MIN_GAIN at this t-statistic (~2 SE, a window of 32).
+MIN_GAIN_T = 2.0
 
 
 def add_demo_parser(sub: argparse._SubParsersAction) -> None:
@@ -239,16 +243,21 @@ def fresh_output(out: Path, force: bool) -> Path:
 
 
 def rl_verdict(rows: list[dict]) -> list[str]:
-    """LEARNED only when, in every order, the learning drafter's own acceptance over the last
-    half of the rounds (accepted draft tokens per step it drafted, the suffix tree's drafts left
-    out) beats the frozen drafter's by MIN_GAIN. Not tokens per verify step: those move with the
-    budget's option mix (a tree step accepts more than a drafter step), which differs between
-    arms and orders for reasons other than learning."""
+    """LEARNED only when, in every order, the learning drafter beat its start weights by
+    MIN_GAIN over the last half of the rounds. Served first: the learning drafter's own
+    acceptance (accepted draft tokens per step it drafted, the suffix tree's drafts left out)
+    against the frozen drafter's. Not tokens per verify step: those move with the budget's
+    option mix (a tree step accepts more than a drafter step), which differs between arms and
+    orders for reasons other than learning. Where the budget ran the drafter on fewer than
+    MIN_DRAFTER_STEPS request-steps of an arm (plain and tree steps paid more), the served rate
+    says nothing and the order is judged by the learner's paired estimate after the last round
+    (current minus start weights on the same fresh verified text, scored before training on it):
+    its mean over the window >= MIN_GAIN at t >= MIN_GAIN_T. NOT MEASURED where neither exists."""
     from vllm_onlinespec.bench.rl import last_half, pooled
 
     online = next((r["label"] for r in rows if r["arm"] in ("online", "online-ogd")), None)
     orders = sorted({r["order"] for r in rows})
-    gains, short, lines = [], [], []
+    gains, short, by_estimate, weak, lines = [], [], [], [], []
     for o in orders:
         arms = {"frozen": [r for r in rows if r["label"] == "frozen" and r["order"] == o],
                 "online": [r for r in rows if r["label"] == online and r["order"] == o]}
@@ -257,19 +266,27 @@ def rl_verdict(rows: list[dict]) -> list[str]:
         fr, on = pooled(last_half(arms["frozen"])), pooled(last_half(arms["online"]))
         steps = {a: sum(r["drafts"] - (r.get("lookup_rows") or 0) for r in last_half(rs)
                         if r.get("drafter_accept") is not None) for a, rs in arms.items()}
-        own = [r.get("learner_gain") for r in arms["online"]]
+        last = arms["online"][-1]
+        own, own_t = last.get("learner_gain"), last.get("learner_gain_t")
         own_text = (f"; the learner's own paired estimate after the last round: "
-                    f"{own[-1]:+.3f} accepted draft tokens per block over its start weights"
-                    if own and own[-1] is not None else "")
+                    f"{own:+.3f} accepted draft tokens per block over its start weights"
+                    + (f" (t {own_t:.1f})" if own_t is not None else "")
+                    if own is not None else "")
         verify = (f"tokens per verify step {on['accept_len']:.3f} vs {fr['accept_len']:.3f}; "
                   if on["accept_len"] is not None and fr["accept_len"] is not None else "")
         speed = (f"{on['tok_s']:.1f} vs {fr['tok_s']:.1f} tok/s"
                  if on["tok_s"] is not None and fr["tok_s"] is not None else "")
         if min(steps.values()) < MIN_DRAFTER_STEPS:
-            short.append(o)
             lines.append(f"last half of the rounds, order {o}: the drafter drafted "
                          f"{steps['online']} request-steps online and {steps['frozen']} frozen "
                          f"(too few for a rate); {verify}{speed}{own_text}")
+            if own is None or own_t is None:
+                short.append(o)
+                continue
+            by_estimate.append(o)
+            gains.append(round(own, 3) + 0.0)
+            if own_t < MIN_GAIN_T:
+                weak.append(o)
             continue
         gain = round(on["drafter_accept"] - fr["drafter_accept"], 3) + 0.0
         gains.append(gain)
@@ -281,17 +298,25 @@ def rl_verdict(rows: list[dict]) -> list[str]:
     if short:
         lines.append(f"verdict: NOT MEASURED: in order(s) {', '.join(map(str, short))} the budget "
                      f"ran the drafter on fewer than {MIN_DRAFTER_STEPS} request-steps of an arm "
-                     f"over the last half (plain and tree steps instead): too few to rate it")
+                     f"over the last half (plain and tree steps instead) and the learner scored "
+                     f"no paired estimate: too few to rate it")
         return lines
+    how = ("" if not by_estimate else
+           f" (order(s) {', '.join(map(str, by_estimate))} by the learner's paired estimate on "
+           f"fresh verified text, t >= {MIN_GAIN_T:g}: the budget served the drafter there on too "
+           f"few steps for a served rate)")
     low = min(gains)
-    if low >= MIN_GAIN:
+    if weak:
+        lines.append(f"verdict: NOT LEARNED: in order(s) {', '.join(map(str, weak))} the "
+                     f"learner's paired estimate is below t {MIN_GAIN_T:g}{how}")
+    elif low >= MIN_GAIN:
         lines.append(f"verdict: LEARNED: the drafter kept up with the new policy, at least "
                      f"{low:+.3f} accepted draft tokens per drafted step over the same start "
-                     f"weights frozen, in every order")
+                     f"weights, in every order{how}")
     else:
-        lines.append(f"verdict: NOT LEARNED: the smallest gain over the frozen drafter is "
+        lines.append(f"verdict: NOT LEARNED: the smallest gain over the start weights is "
                      f"{low:+.3f} < {MIN_GAIN} accepted draft tokens per drafted step over "
-                     f"{len(gains)} orders")
+                     f"{len(gains)} orders{how}")
     return lines
 
 

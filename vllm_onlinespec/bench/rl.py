@@ -33,7 +33,8 @@ steps the budget ran plain / tree / drafter on) and option_ms_per_token (what ea
 measured cycles cost per produced token, by batch bucket, at the round's end), step_ms (the
 round's engine steps and ms per step of each worker phase, serving/step_profile.py), learner
 updates during the round and the gap, gap_s_used, push_s, learner_gain (the learner's own paired estimate after the gap:
-accepted draft tokens per block, current minus start weights on the same verified text). The report (<out>/rl_rollouts.{json,md,png}) gives per arm the
+accepted draft tokens per block, current minus start weights on the same fresh verified text,
+scored before the learner trains on it) and learner_gain_t (its t-statistic). The report (<out>/rl_rollouts.{json,md,png}) gives per arm the
 median over orders of the last half of the rounds, and online / frozen and online / vllm-suffix.
 
 Prompts: `--prompts FILE` (JSONL, 'prompt', 'question' (GSM8K) or 'messages'), taken in file
@@ -189,10 +190,11 @@ def _delta_ratio(num: float, den: float) -> float | None:
     return num / den if den > 0 else None
 
 
-def learner_gain(st) -> float | None:
+def learner_gain(st, field: str = "gain_mean") -> float | None:
     """The learner's own paired estimate (accepted draft tokens per block, current minus start
-    weights on the same verified text, mean over its scoring window), or None."""
-    g = st.learner.gain_mean if st is not None and st.learner is not None else math.nan
+    weights on the same fresh verified text, mean over its scoring window; `gain_t`: its
+    t-statistic against 0), or None."""
+    g = getattr(st.learner, field) if st is not None and st.learner is not None else math.nan
     return None if g is None or not math.isfinite(g) else round(float(g), 4)
 
 
@@ -290,6 +292,7 @@ def run_rounds(spec: RLArmSpec) -> dict:
                             out_tokens=sum(len(x) for p in toks for x in p), ours=ours, gap=gap,
                             push_s=push_s)
             row["learner_gain"] = learner_gain(st2)
+            row["learner_gain_t"] = learner_gain(st2, "gain_t")
             row["step_ms"] = step_ms(p0, p1, wall)
             res["rows"].append(row)
             res["tokens"].append(toks)

@@ -122,6 +122,12 @@ class DutyCycle:
             return math.nan
         return sum(s.gain for s in self.scores) / len(self.scores)
 
+    @property
+    def gain_t(self) -> float:
+        """t-statistic of the window's mean gain against 0 (each score is on its own fresh
+        blocks); NaN before 3 scores."""
+        return mean_t([s.gain for s in self.scores]) if len(self.scores) >= 3 else math.nan
+
     def observe(self, score: GainScore) -> float:
         """One scored batch; returns the share to run at from now on."""
         if not (math.isfinite(score.current) and math.isfinite(score.reference)):

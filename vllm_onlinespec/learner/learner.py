@@ -536,7 +536,8 @@ class OnlineLearner:
             "share": self.share, "in_update": self._in_update}
         if self.duty is not None:
             s.update(gain_scores=self.duty.n, share_reason=self.duty.reason,
-                     score_errors=self.score_errors, gain_mean=self.duty.mean_gain)
+                     score_errors=self.score_errors, gain_mean=self.duty.mean_gain,
+                     gain_t=self.duty.gain_t)
         if isinstance(self.buffer, FeedbackBuffer):
             # What the default ready gate compares with min_new_tokens_per_update (held-back
             # tokens excluded); caught_up: below it, no update runs until more feedback comes.

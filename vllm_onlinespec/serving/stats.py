@@ -53,6 +53,7 @@ class LearnerStats:
     # Mean over the duty cycle's window of accepted draft tokens per block, current minus start
     # weights on the same fresh verified text: the learner's own paired estimate of what it won
     gain_mean: float = NAN
+    gain_t: float = NAN  # t-statistic of gain_mean against 0 over the window's scores
     score_errors: int = 0
     loss: dict[str, float] = field(default_factory=dict)  # the loss function's own statistics
 
