@@ -99,6 +99,10 @@ def test_arm_names_say_where_they_leave_the_preset(tmp_path):
     now = OnlineSpecConfig.from_any(make_arm("frozen+slowest+contextnow", **kw).onlinespec)
     assert now.length_head.k0_step == "context_only" and now.length_head.option_objective == "slowest"
     assert rollout.length_head.k0_step == "deferred"
+    for one in ("plain", "tree"):  # the budget held to one option, the preset's tree kept
+        held = OnlineSpecConfig.from_any(make_arm(f"frozen+{one}only", **kw).onlinespec)
+        assert held.length_head.options == [one] and held.length_head.policy == "budget"
+        assert held.prompt_lookup.source == "suffix_tree" and not held.enabled
     coupled = OnlineSpecConfig.from_any(make_arm("online-ogd+coupled", **kw).onlinespec)
     assert coupled.sampling.coupled_drafts and coupled.enabled
     assert coupled.prompt_lookup.source == "suffix_tree"

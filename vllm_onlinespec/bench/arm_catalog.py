@@ -128,6 +128,9 @@ ARM_SUFFIXES: dict[str, tuple[str, dict]] = {
     "+confidence": ("length_head", {"estimator": "confidence"}),
     "+unpriced": ("length_head", {"price_lookup": False}),
     "+gateonly": ("length_head", {"options": ["drafter"]}),
+    # the budget held to one option: what each of the preset's options serves on its own
+    "+plainonly": ("length_head", {"options": ["plain"]}),
+    "+treeonly": ("length_head", {"options": ["tree"]}),
     "+slowest": ("length_head", {"option_objective": "slowest"}),
     "+contextnow": ("length_head", {"k0_step": "context_only"}),
     # sampled requests: drafts drawn with the invariant verifier's own noise
