@@ -33,7 +33,7 @@ model: setup
 
 # RL rollouts while the policy changes every round (the base model, then its terse-steps
 # fine-tune pushed in place), the drafter frozen and learning in the trainer's gaps, two orders
-# (~8 min on a 2-vCPU box; `$(CLI) demo --quick`: a few; `--scenario finetuned`: a stream of new
+# (8-12 min on a 2-vCPU box; `$(CLI) demo --quick`: a few; `--scenario finetuned`: a stream of new
 # prompts to the fine-tuned model; `--scenario domain`: the base model on an unseen domain).
 # It replaces an earlier demo's runs/demo (--force).
 # SPEC_BENCH=path/to/question.jsonl (Spec-Bench's questions, optional) adds its categories.
