@@ -343,3 +343,18 @@ def test_the_report_says_where_the_engine_steps_went():
                          "0.62 / 0.38 / 0.00 |")
     assert not any("nospec" in ln for ln in lines)
     assert steps_lines([{"label": "nospec", "order": 0}]) == []
+
+
+def test_plot_adds_the_learners_gain_panel_where_a_learning_arm_reports_it(tmp_path):
+    import struct
+
+    def width(png: Path) -> int:  # the IHDR chunk: 8-byte signature, length, type, width
+        return struct.unpack(">I", png.read_bytes()[16:20])[0]
+
+    rows = [_row(a, o, r, tok=64, wall=2.0, drafts=8, acc=4, arm=a)
+            for a in ("frozen", "online") for o in (0, 1) for r in range(3)]
+    two = width(rl.plot(rows, tmp_path / "two.png", "t"))
+    for r in rows:
+        r["learner_gain"] = 0.05 * r["round"] if r["arm"] == "online" else None
+    three = width(rl.plot(rows, tmp_path / "three.png", "t"))
+    assert three == round(two * 3 / 2), (two, three)  # one 5.5-inch panel more

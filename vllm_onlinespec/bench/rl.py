@@ -453,20 +453,29 @@ def by_round(rows: Sequence[dict], label: str, key: str) -> tuple[list[int], lis
 
 
 def plot(rows: Sequence[dict], path: Path, title: str) -> Path:
+    """Accept len and tok/s per round, one line per arm; where a learning arm reports it, a
+    third panel: the learner's paired gain over its start weights after each round's gap (what
+    the demo's verdict reads where the budget seldom runs the drafter)."""
     from vllm_onlinespec.bench.report import _plt
 
     plt = _plt()
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
+    panels = [("accept_len", "acceptance length (tokens / verify step)"), ("tok_s", "output tok/s")]
+    if any(r.get("learner_gain") is not None for r in rows):
+        panels.append(("learner_gain", "learner's gain over its start weights\n"
+                                       "(accepted draft tokens / block, fresh text)"))
+    fig, axes = plt.subplots(1, len(panels), figsize=(5.5 * len(panels), 4.2))
     for k, lab in enumerate(dict.fromkeys(r["label"] for r in rows)):
-        for ax, key in zip(axes, ("accept_len", "tok_s")):  # one colour per arm in both panels
+        for ax, (key, _) in zip(axes, panels):  # one colour per arm in every panel
             xs, ys = by_round(rows, lab, key)
             if xs:
                 ax.plot(xs, ys, marker="o", ms=3, label=lab, color=f"C{k % 10}")
-    for ax, yl in zip(axes, ("acceptance length (tokens / verify step)", "output tok/s")):
+    for ax, (key, yl) in zip(axes, panels):
         ax.set_xlabel("rollout round (the policy pushed in place between rounds)")
         ax.set_ylabel(yl)
         ax.grid(alpha=0.3)
         ax.xaxis.get_major_locator().set_params(integer=True)
+        if key == "learner_gain":
+            ax.axhline(0.0, color="0.5", lw=0.8)
     axes[1].legend(fontsize=8)
     fig.suptitle(title, fontsize=10)
     fig.tight_layout()
