@@ -123,7 +123,8 @@ class RLPlan:
 
 
 # Sized for a 2-vCPU box: 2 arms x 2 orders, each run an engine start (~40 s) and 4 rounds
-# (~10-13 s of rollouts each; the learning arm also idles the gap); 7.8-11.4 min on 2-vCPU Zen 3 boxes.
+# (~10-13 s of rollouts each; the learning arm also idles the gap); 7.8-11.4 min on 2-vCPU
+# Zen 3 boxes.
 RL_PLANS = {"full": RLPlan(rounds=4, prompts_per_round=4, n=4, max_tokens=48, gap_s=12.0),
             "quick": RLPlan(rounds=2, prompts_per_round=2, n=2, max_tokens=16, gap_s=3.0)}
 RL_VERSIONS = ("smollm2-135m", "smollm2-135m-terse")

@@ -32,10 +32,12 @@ gate_shut_share (share of the budget's gated steps it shut), option_shares (shar
 steps the budget ran plain / tree / drafter on) and option_ms_per_token (what each option's
 measured cycles cost per produced token, by batch bucket, at the round's end), step_ms (the
 round's engine steps and ms per step of each worker phase, serving/step_profile.py), learner
-updates during the round and the gap, gap_s_used, push_s, learner_gain (the learner's own paired estimate after the gap:
-accepted draft tokens per block, current minus start weights on the same fresh verified text,
-scored before the learner trains on it) and learner_gain_t (its t-statistic). The report (<out>/rl_rollouts.{json,md,png}) gives per arm the
-median over orders of the last half of the rounds, and online / frozen and online / vllm-suffix.
+updates during the round and the gap, gap_s_used, push_s, learner_gain (the learner's own
+paired estimate after the gap: accepted draft tokens per block, current minus start weights on
+the same fresh verified text, scored before the learner trains on it) and learner_gain_t (its
+t-statistic). The report (<out>/rl_rollouts.{json,md,png}) gives per arm the median over orders
+of the last half of the rounds, and online / frozen and online / vllm-suffix; its plot, accept
+len and tok/s per round, and the learner's gain per round where a learning arm reports it.
 
 Prompts: `--prompts FILE` (JSONL, 'prompt', 'question' (GSM8K) or 'messages'), taken in file
 order from its last `--tail` rows (default 1000: GSM8K train's served-only slice, which no

@@ -1,12 +1,13 @@
 """Intel OpenMP for vLLM's CPU workers: off by default, `VLLM_ONLINESPEC_IOMP=1` preloads it.
 
 vLLM's CPU worker warns that speculative decoding without libiomp5 in LD_PRELOAD "will cause
-significant performance loss" (cpu_worker.py:128). Measured on three 2-vCPU boxes it did not
-pay: on an AVX512-BF16 Xeon it changed nothing measurable (step_cost.md); on a Xeon without
-bf16 the served K = 0 floor ran 0.85x plain decoding with it, 0.91x without
-(k0_served.md); on a Zen 3 EPYC (float32) the K = 0 floor's target forward took 13 % longer
-with it at batch 8, in the same run (dominance_b8.md). So this project's engines run torch's
-libgomp, as vLLM's own engines do, unless the user asks for Intel's runtime.
+significant performance loss" (cpu_worker.py:128). Measured on three 2-vCPU boxes it paid
+nowhere clearly: on an AVX512-BF16 Xeon it changed nothing measurable (step_cost.md); on a Xeon
+without bf16 the served K = 0 floor ran 0.85x plain decoding with it, 0.91x without
+(k0_served.md); on a Zen 3 EPYC (float32) the cpu preset served 1.10x / 1.11x itself on
+libgomp at batch 1 and 4-7 % less at batch 8, two orders each (dominance_b1.md,
+dominance_b8.md). So this project's engines run torch's libgomp, as vLLM's own engines do,
+unless the user asks for Intel's runtime.
 
 Asked for, LD_PRELOAD has to be set in the environment of the process that spawns vLLM's
 engine core and workers -- the one that builds the engine config, where this plugin's config
