@@ -19,6 +19,8 @@ import json
 import statistics
 from pathlib import Path
 
+from vllm_onlinespec.policy.cycle_overhead import batch_bucket
+
 BASELINES = ("nospec", "vllm-suffix", "ngram")
 OURS_PREFIXES = ("frozen", "online", "k0", "budget", "shadow")
 
@@ -36,6 +38,7 @@ def load_point(folder: Path) -> list[dict]:
             arms[name] = {"tok_s": t["tok_s"], "accept": t["acceptance_length"],
                           "error": a.get("error"), "failed": len(a.get("failed", [])),
                           "cutter": (a.get("learner") or {}).get("cutter", {}),
+                          "profile": a.get("step_profile") or {},
                           "order": rep["meta"].get("run_order", [])}
         out.append(arms)
     return out
@@ -71,6 +74,11 @@ def point_rows(batch: int, temperature: float, orders: list[dict]) -> list[dict]
             row["option_shares"] = {k: round(v / n, 3) for k, v in tot.items()}
             row["option_ms_per_token"] = [o[arm]["cutter"].get("option_ms_per_token", {})
                                           for o in per]
+        prof = [o[arm]["profile"] for o in per if o[arm]["profile"].get("per_step_ms")]
+        if prof:  # this project's arms: where a step's time went in the worker
+            row["step_ms"] = {k: round(statistics.median(p["per_step_ms"][k] for p in prof), 2)
+                              for k in ("target", "sample", "draft", "ours", "other")}
+            row["steps"] = round(statistics.median(p["steps"] for p in prof))
         gate = [o[arm]["cutter"] for o in per if o[arm]["cutter"].get("gate_steps")]
         if gate:
             row["gate_shut_share"] = round(sum(c["gate_shut_steps"] for c in gate)
@@ -99,6 +107,14 @@ def orders_of(rows: list[dict]) -> str:
     return str(n[0]) if len(n) == 1 else f"{n[0]}-{n[-1]}" if n else "?"
 
 
+def option_prices(prices: dict[str, float], batch: int) -> str:
+    """One order's prices in the bucket of the point's batch ("plain@B8": ms per token)."""
+    bucket = batch_bucket(batch)
+    return "plain / tree / drafter " + " / ".join(
+        f"{prices[k]:.1f}" if (k := f"{o}@B{bucket}") in prices else "-"
+        for o in ("plain", "tree", "drafter")) + f" ms (B{bucket})"
+
+
 def page(rows: list[dict], args: argparse.Namespace) -> str:
     lines = [f"# {args.title}", "", args.box, "",
              f"Every arm on the same prompts in the same run, each point over "
@@ -123,6 +139,23 @@ def page(rows: list[dict], args: argparse.Namespace) -> str:
             f"- {r['arm']}, batch {r['batch']}, T {r['temperature']:g}: "
             f"{r['ratio']['median']:.2f}x ({r['ratio']['min']:.2f}-{r['ratio']['max']:.2f})"
             for r in ratios]
+    profiled = [r for r in rows if r.get("step_ms")]
+    if profiled:
+        lines += ["", "Where this project's steps went (the worker's step profile: ms per engine "
+                  "step, median over orders; the scheduler and engine-core hand-off are outside "
+                  "it):", "", "| arm | batch | T | steps | target | sampler | drafting | hooks | "
+                  "other |", "|---|---|---|---|---|---|---|---|---|"]
+        lines += [f"| {r['arm']} | {r['batch']} | {r['temperature']:g} | {r['steps']} | "
+                  + " | ".join(f"{r['step_ms'][k]:.1f}" for k in ("target", "sample", "draft",
+                                                                   "ours", "other")) + " |"
+                  for r in profiled]
+    priced = [r for r in rows if r.get("option_ms_per_token")]
+    if priced:
+        lines += ["", "What each option cost where the budget chose (its measured ms per produced "
+                  "token in the point's batch bucket, per order; `-`: never priced there):", ""]
+        lines += [f"- {r['arm']}, batch {r['batch']}, T {r['temperature']:g}: "
+                  + "; ".join(option_prices(p, r["batch"]) for p in r["option_ms_per_token"])
+                  for r in priced]
     lines += ["", "Goals: the preset (frozen, online) >= 0.99x the best other at every point; the "
               "floor (k0) >= 0.98x nospec.", ""]
     for r in rows:
@@ -150,6 +183,7 @@ def main() -> int:
         batch, temp, folder = spec.split(":", 2)
         rows += point_rows(int(batch), float(temp), load_point(Path(folder)))
     out = Path(args.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
     (out / f"{args.name}.json").write_text(json.dumps(
         {"box": args.box, "command": args.command, "rows": rows}, indent=1))
     (out / f"{args.name}.md").write_text(page(rows, args))

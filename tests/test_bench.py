@@ -509,3 +509,42 @@ def test_step_profile_splits_the_target_span_by_the_learners_state():
     assert p.options == {"tree@B16": [2, pytest.approx(0.5), 84],
                          "tree@B16+prefill": [1, pytest.approx(0.5), 300]}
     assert p.steps == 12
+
+
+def test_resume_keeps_the_finished_stream_orders_and_serves_the_rest_whole(tmp_path, monkeypatch,
+                                                                         smollm2_path):
+    """`bench --seeds 0,1 --resume`: an order whose report is in --out with the same settings is
+    kept; the order a cut-off run did not finish is served again, all its arms, in its own arm
+    order (reversed on the second order); other settings serve everything again."""
+    from vllm_onlinespec.bench import launch
+    from vllm_onlinespec.cli import main
+
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": f"question {i}?"}) + "\n" for i in range(3)))
+    ran: list[tuple[str, str]] = []
+
+    def fake_run_arm(spec, logs, n, cut_at=None):
+        ran.append((spec.out.split("/")[-3], spec.name))
+        if cut_at == len(ran):
+            raise KeyboardInterrupt  # the session stops mid-order
+        r = ArmResult(spec=spec)
+        r.waves.append(WaveResult(index=0, prompts=n, output_tokens=10 * n, wall_s=1.0, drafts=0,
+                                  draft_tokens=0, accepted=0, tpot_ms=10.0))
+        r.save()
+        return r
+
+    argv = ["bench", "--prompts", str(prompts), "--target", smollm2_path, "--arms", "nospec,ngram",
+            "--seeds", "0,1", "--wave", "1", "--max-tokens", "8", "--dtype", "float32",
+            "--out", str(tmp_path / "out")]
+    monkeypatch.setattr(launch, "run_arm", lambda s, lg, n: fake_run_arm(s, lg, n, cut_at=3))
+    with pytest.raises(KeyboardInterrupt):
+        main(argv)
+    assert ran == [("seed-0", "nospec"), ("seed-0", "ngram"), ("seed-1", "ngram")]
+    ran.clear()
+    monkeypatch.setattr(launch, "run_arm", fake_run_arm)
+    assert main(argv + ["--resume"]) == 0
+    assert ran == [("seed-1", "ngram"), ("seed-1", "nospec")]  # order 0 kept; order 1 whole
+    assert (tmp_path / "out" / "report.json").is_file()
+    ran.clear()
+    assert main([*argv[:-4], "--max-tokens", "16", *argv[-4:], "--resume"]) == 0
+    assert len(ran) == 4  # another setting: nothing kept

@@ -170,6 +170,10 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
       "request is sent (1-based; requests in flight run on)")
     a("--seed", type=int, default=0, help="stream order")
     a("--out", required=True, help="output folder")
+    a("--resume", action="store_true", help="with --seeds: keep every stream order whose "
+      "report is already in --out with the same settings (a run cut off mid-way picks up at "
+      "the first order not finished; an order is always served whole, all its arms in one "
+      "sitting)")
     b.set_defaults(func=run_bench)
 
 
@@ -208,6 +212,30 @@ def check_protocol(args: argparse.Namespace) -> None:
                          "beside serving and nothing is left out of the wall time: drop one")
     if not args.window_s > 0:
         raise ValueError(f"--window-s must be > 0 seconds (got {args.window_s})")
+
+
+# What decides an order's figures: a report kept by --resume must match on all of them.
+RESUME_KEYS = ("arms", "run_order", "target", "drafter", "serve_categories", "train_categories",
+               "prompts_file", "prompts", "seed", "protocol", "wave", "max_tokens",
+               "temperature", "dtype", "online", "swap_to", "swap_at")
+
+
+def finished_order(sub: Path, specs: list, meta: dict) -> list | None:
+    """The arms' results of a stream order an earlier run finished with the same settings
+    (its report.json, every arm's result file without an error), else None: serve it again."""
+    from vllm_onlinespec.bench.results import ArmResult
+
+    report = sub / "report.json"
+    if not report.is_file():
+        return None
+    old = json.loads(report.read_text()).get("meta", {})
+    if any(json.dumps(old.get(k), sort_keys=True, default=str)
+           != json.dumps(meta.get(k), sort_keys=True, default=str) for k in RESUME_KEYS):
+        return None
+    if not all(Path(s.out).is_file() for s in specs):
+        return None
+    results = [ArmResult.load(s.out) for s in specs]
+    return None if any(r.error or not r.waves for r in results) else results
 
 
 def run_bench(args: argparse.Namespace) -> int:
@@ -274,7 +302,6 @@ def run_bench(args: argparse.Namespace) -> int:
                           arrivals=args.arrivals, window_s=args.window_s,
                           swap_at=args.swap_at, swap_to=swap_to)
                  for a in arms]
-        results = run_arms(specs, sub, repeat)
         meta = {"arms": arms, "run_order": [arms[i] for i in counterbalanced(len(arms), repeat)],
                 "target": target, "drafter": drafter,
                 "train_categories": train_cats, "serve_categories": serve_cats,
@@ -285,6 +312,13 @@ def run_bench(args: argparse.Namespace) -> int:
                 "dtype": args.dtype, "online": online,
                 "catch_up_s": args.catch_up_s, "swap_to": swap_to, "swap_at": args.swap_at or None,
                 "wall_s": round(time.perf_counter() - t0, 1)}
+        results = finished_order(sub, specs, meta) if args.resume else None
+        if results is not None:
+            print(f"stream (seed {seed}): finished in an earlier run, kept ({sub / 'report.json'})")
+            meta = json.loads((sub / "report.json").read_text())["meta"]
+        else:
+            results = run_arms(specs, sub, repeat)
+            meta["wall_s"] = round(time.perf_counter() - t0, 1)
         paths = R.write_report(results, sub, title="vllm-onlinespec bench", meta=meta)
         rows = R.summarize(results)
         print("\n" + R.text_table(rows))
