@@ -63,7 +63,8 @@ def parity(engine):
     trace = engine["tmp"] / "parity-trace"
     shutil.copytree(engine["trace"], trace)
     return {"outs": outs, "stats": stats(engine["llm"]), "trace": trace,
-            "drafter": engine["drafter"]}
+            "drafter": engine["drafter"],
+            "profile": engine["llm"].collective_rpc("onlinespec_step_profile")[0]}
 
 
 def generate(llm, prompts=PROMPTS, max_tokens=MAX_TOKENS):
@@ -131,6 +132,8 @@ FAULTS = [
 
 def test_greedy_equal_to_no_speculation(parity, hf_target):
     assert_greedy_equal(parity["outs"], hf_target, PARITY_TOKENS)
+    # The steps with drafts were verified by the lean greedy path (compat/greedy_verify.py).
+    assert parity["profile"]["lean_greedy_steps"] > 0, parity["profile"]
 
 
 def test_verify_policy_cut_drafts(parity):

@@ -34,6 +34,9 @@
                                  at once (k0_step 'context_only') instead of deferring it
     <arm>+coupled                sampled requests verified drafter-invariantly get drafts drawn
                                  with the verifier's noise (sampling.coupled_drafts)
+    <arm>+vllmgreedy             all-greedy steps verified by vLLM's rejection sampler as
+                                 shipped (float32 copies of the logits) instead of on the
+                                 model-dtype logits (serving/compat/greedy_verify.py)
 
 Every arm of ours starts from the same drafter weights and the same base settings (`online`
 below: by default the `cpu` preset, vllm_onlinespec/presets.py, so `frozen` is the recommended
@@ -140,9 +143,11 @@ ARM_SUFFIXES: dict[str, tuple[str, dict]] = {
 
 # <arm><suffix>: the arm's engine process started with these environment variables.
 # +iomp: Intel OpenMP preloaded for this project's engines (serving/openmp.py); +gomp: torch's
-# libgomp, as vLLM's own arms run (the default).
+# libgomp, as vLLM's own arms run (the default). +vllmgreedy: all-greedy steps verified by
+# vLLM's own rejection sampler instead of compat/greedy_verify.py.
 ENV_SUFFIXES: dict[str, dict[str, str]] = {"+iomp": {"VLLM_ONLINESPEC_IOMP": "1"},
-                                           "+gomp": {"VLLM_ONLINESPEC_IOMP": "0"}}
+                                           "+gomp": {"VLLM_ONLINESPEC_IOMP": "0"},
+                                           "+vllmgreedy": {"VLLM_ONLINESPEC_GREEDY_VERIFY": "0"}}
 
 
 def _split_env(name: str) -> tuple[str, dict[str, str]]:

@@ -17,6 +17,7 @@ logger = logging.getLogger("vllm_onlinespec")
 EXECUTE_MODEL = "execute_model"
 SAMPLE = "sample"  # _sample: remembering the sampler output, oracle, step cost
 INVARIANT = "invariant"  # _sample: drafter-invariant rewrite of sampled requests' rows
+GREEDY_VERIFY = "greedy_verify"  # _sample: an all-greedy step's lean verification
 PROPOSE = "propose_draft_token_ids"
 GATE = "gate"  # propose_draft_token_ids, before: speculate in the next step or draft at K = 0
 CAPTURE = "capture"  # sample_tokens, before: the step view

@@ -5,7 +5,8 @@
   execute_model     timed (step profile, the budget's step cost); each start closes the previous
                     engine cycle, whose wall time the gate compares with its model
   _sample           seeded sampled requests verified drafter-invariantly (compat/
-                    invariant_sampling.py); the others through vLLM's rejection sampler,
+                    invariant_sampling.py); an all-greedy step on one max per logit row
+                    (compat/greedy_verify.py); the others through vLLM's rejection sampler,
                     its recovery noise drawn only for requests with drafts (compat/
                     recovery_noise.py); remembers the rejection sampler's output
                     (accepted lengths); the oracle
@@ -75,6 +76,7 @@ class OnlineSpecRunnerMixin:
         out = super().load_model(*args, **kwargs)
         mode = cfg.invariant_mode(compat.tensor_parallel_size(self.vllm_config))
         self._onlinespec_invariant = compat.InvariantVerifier(mode) if mode != "off" else None
+        self._onlinespec_greedy = compat.greedy_verify_enabled()
         if self._onlinespec_invariant is not None and cfg.sampling.coupled_drafts:
             self._install_coupled_drafts()
         compat.install_lean_recovery_noise()
@@ -150,6 +152,11 @@ class OnlineSpecRunnerMixin:
                     tried, pending = pending, None  # one vote per step, whatever happens
                     out = inv.sample(self, tried, spec_decode_metadata)
             # out None: the rewrite failed (counted, on every rank): vLLM samples, unrewritten.
+        if (out is None and spec_decode_metadata is not None
+                and getattr(self, "_onlinespec_greedy", False)):
+            with self._onlinespec_guard(G.GREEDY_VERIFY):  # a failure: vLLM's path below
+                out = compat.verify_greedy(self, logits, spec_decode_metadata)
+                self._onlinespec_profile.lean_greedy_steps += out is not None
         if out is None:
             with compat.lean_recovery_noise():  # compat/recovery_noise.py: no unread noise
                 out = super()._sample(logits, spec_decode_metadata)

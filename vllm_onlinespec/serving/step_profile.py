@@ -47,6 +47,7 @@ class StepProfile:
     # batch bucket and whether prefill shared the step ("tree@B16+prefill" -> [steps, target
     # seconds, scheduled tokens]): what each option's steps cost, prefill steps included.
     options: dict[str, list[float]] = field(default_factory=dict)
+    lean_greedy_steps: int = 0  # all-greedy steps verified by compat/greedy_verify.py
 
     def observe_target(self, seconds: float, *, learner_busy: bool | None = None,
                        batch_size: int = 0, tokens: int = 0, option: str | None = None) -> None:

