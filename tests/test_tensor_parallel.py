@@ -97,7 +97,9 @@ def tp(smollm2_path, tmp_path_factory):
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
     outs, versions = [], []
     try:
-        for _ in range(4):  # passes of the same prompts: the learner publishes between them
+        # Three passes of the same prompts: the start weights, then after each of two
+        # publishes (the learner trains on the pass before).
+        for _ in range(2):
             outs += llm.chat([[{"role": "user", "content": p}] for p in PROMPTS], params,
                              use_tqdm=False)
             deadline = time.time() + 60
@@ -133,6 +135,7 @@ def test_tp2_learner_on_rank0_only_and_ranks_hold_the_same_version(tp):
     assert r0.learner is not None and r0.learner.updates > 0, r0
     assert r1.learner is None  # no second learner on a vocabulary shard
     assert r0.published_version > 0 and r0.published_version == r1.published_version
+    assert 0 < tp["versions"][0] < tp["versions"][1], tp["versions"]  # each pass a newer one
     assert r0.hook_errors == 0 and r1.hook_errors == 0, (r0.hooks, r1.hooks)
 
 

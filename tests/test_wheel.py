@@ -100,7 +100,7 @@ def test_a_short_soak_served_from_the_wheel(installed, smollm2_path, tmp_path):
     pull("smollm2-135m-terse")
     out = tmp_path / "run"
     # Every update publishes and checkpoints: a short run writes checkpoints to kill during.
-    cmd = [sys.executable, "-m", "vllm_onlinespec.cli", "bench-soak", "--duration", "45",
+    cmd = [sys.executable, "-m", "vllm_onlinespec.cli", "bench-soak", "--duration", "24",
            "--concurrency", "3", "--max-tokens", "24", "--max-model-len", "1024",
            "--malformed-every", "4", "--kills", "checkpoint",
            "--online", json.dumps({"publish": {"every_n_updates": 1},
