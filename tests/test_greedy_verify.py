@@ -92,9 +92,20 @@ def test_steps_that_read_more_than_the_argmax_are_left_to_vllm():
                  dict(allowed_token_ids_mask=torch.zeros(2, V, dtype=torch.bool)),
                  dict(bad_words_token_ids={0: [[5]]})):
         assert greedy_verify.verify(runner(metadata(batch=2, **over)), logits, spec) is None, over
-    min_tokens = SimpleNamespace(min_toks={0: (8, [], set(), False)})
-    sm = metadata(batch=2)
-    sm.logitsprocs.non_argmax_invariant.append(min_tokens)
+    from vllm.v1.sample.logits_processor.builtin import (LogitBiasLogitsProcessor,
+                                                         MinTokensLogitsProcessor)
+
+    for cls, state, active in ((MinTokensLogitsProcessor, "min_toks", {0: (8, [], set(), False)}),
+                               (LogitBiasLogitsProcessor, "biases", {1: {5: 10.0}})):
+        proc = cls.__new__(cls)  # only its per-request state is read
+        setattr(proc, state, {})
+        sm = metadata(batch=2)
+        sm.logitsprocs.non_argmax_invariant.append(proc)
+        assert greedy_verify.verify(runner(sm), logits, spec) is not None  # idle: no request
+        setattr(proc, state, active)
+        assert greedy_verify.verify(runner(sm), logits, spec) is None, cls.__name__
+    sm = metadata(batch=2)  # a processor the path does not know: vLLM's path
+    sm.logitsprocs.non_argmax_invariant.append(SimpleNamespace())
     assert greedy_verify.verify(runner(sm), logits, spec) is None
     assert greedy_verify.verify(runner(metadata(batch=2)), logits, None) is None  # no drafts
 

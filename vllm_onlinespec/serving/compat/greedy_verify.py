@@ -19,7 +19,6 @@ docs/results/greedy_verify.md. `VLLM_ONLINESPEC_GREEDY_VERIFY=0` leaves every st
 from __future__ import annotations
 
 import os
-from dataclasses import replace
 from typing import Any
 
 DISABLE_ENV = "VLLM_ONLINESPEC_GREEDY_VERIFY"  # "0": vLLM's own verification in every step
@@ -41,12 +40,19 @@ def eligible(rs: Any, sm: Any) -> bool:
     holder = getattr(sm, "thinking_budget_state_holder", None)
     if holder is not None and holder.has_tracked_requests():
         return False
-    # The rejection sampler applies one non-argmax-invariant processor to draft rows: min_tokens
-    # (rejection_sampler.py:350). It holds an entry per request that still has a minimum to reach.
+    # Logits processors that can move an argmax: vLLM's min_tokens (applied to draft rows too,
+    # rejection_sampler.py:350) and logit_bias (the bonus row's sampler), each idle when it
+    # holds no request; any other (a user's) sends the step to vLLM's path.
     for proc in sm.logitsprocs.non_argmax_invariant:
-        if getattr(proc, "min_toks", None):
+        state = IDLE_WHEN_EMPTY.get(type(proc).__name__)
+        if state is None or getattr(proc, state, None):
             return False
     return True
+
+
+# vLLM's built-in non-argmax-invariant processors (v1/sample/logits_processor/builtin.py) and the
+# per-request dict each keeps.
+IDLE_WHEN_EMPTY = {"MinTokensLogitsProcessor": "min_toks", "LogitBiasLogitsProcessor": "biases"}
 
 
 def verify(runner: Any, logits: Any, spec: Any) -> Any | None:
