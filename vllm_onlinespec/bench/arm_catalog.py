@@ -35,8 +35,8 @@
     <arm>+coupled                sampled requests verified drafter-invariantly get drafts drawn
                                  with the verifier's noise (sampling.coupled_drafts)
     <arm>+vllmgreedy             all-greedy steps verified by vLLM's rejection sampler as
-                                 shipped (float32 copies of the logits) instead of on the
-                                 model-dtype logits (serving/compat/greedy_verify.py)
+                                 shipped (a float32 argmax of every draft row) instead of on
+                                 each row's first maximum (serving/compat/greedy_verify.py)
 
 Every arm of ours starts from the same drafter weights and the same base settings (`online`
 below: by default the `cpu` preset, vllm_onlinespec/presets.py, so `frozen` is the recommended

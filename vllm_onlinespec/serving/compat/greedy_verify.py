@@ -5,13 +5,12 @@ rows of the target's logits, copies them to float32, clones them and takes their
 sampler does the same for the bonus rows. On CPU that is the slow way to the same tokens: over
 140 rows of 49152 logits on 2 vCPUs, 24 ms in bf16 (8.3 in float32), against 2.6 ms (1.7) for
 `max(dim=-1)`, whose indices are the first maximal value's, as argmax's are. Where every
-request of the step is greedy and nothing rewrites logits (no logprobs, penalties,
-allowed-token mask, bad words, min_tokens, thinking budget, synthetic acceptance), all the
-verifier reads of the logits is each row's argmax; this path takes them in one pass over every
-row, in the model's dtype (a bf16 -> float32 copy is exact), and applies vLLM's greedy rule:
-each request keeps its drafts up to the first that is not its row's argmax, then the target's
-token there, or the bonus row's where every draft passed. The tokens are vLLM's, bit for bit
-(tests/test_greedy_verify.py, bf16 and float32, ties included); what it saves:
+request of the step is greedy and nothing rewrites logits (no logprobs, penalties, allowed-token
+mask, bad words, min_tokens or logit_bias in use, no other argmax-moving logits processor,
+thinking budget, synthetic acceptance), all the verifier reads of the logits is each row's
+argmax: this path takes them in one pass over every row in the model's dtype (a bf16 -> float32
+copy is exact) and hands them to vLLM's own greedy rejection kernel, so the tokens are vLLM's,
+bit for bit (tests/test_greedy_verify.py, bf16 and float32, ties included); what it saves:
 docs/results/greedy_verify.md. `VLLM_ONLINESPEC_GREEDY_VERIFY=0` leaves every step to vLLM
 (the A/B arm suffix `+vllmgreedy`).
 """
@@ -58,43 +57,20 @@ IDLE_WHEN_EMPTY = {"MinTokensLogitsProcessor": "min_toks", "LogitBiasLogitsProce
 def verify(runner: Any, logits: Any, spec: Any) -> Any | None:
     """The step's SamplerOutput through the lean path, or None where the step is not eligible
     (vLLM's own path then runs)."""
+    import torch
     from vllm.v1.outputs import SamplerOutput
-    from vllm.v1.sample.rejection_sampler import PLACEHOLDER_TOKEN_ID
+    from vllm.v1.sample.rejection_sampler import PLACEHOLDER_TOKEN_ID, _rejection_greedy_sample
 
     rs = getattr(runner, "rejection_sampler", None)
     sm = runner.input_batch.sampling_metadata
     if rs is None or spec is None or logits is None or not eligible(rs, sm):
         return None
     best = logits.max(dim=-1).indices  # first of equal maxima, as argmax
-    out = greedy_tokens(best[spec.target_logits_indices], best[spec.bonus_logits_indices],
-                        spec.draft_token_ids, spec.cu_num_draft_tokens, spec.max_spec_len,
-                        PLACEHOLDER_TOKEN_ID)
+    out = torch.full((len(spec.num_draft_tokens), spec.max_spec_len + 1), PLACEHOLDER_TOKEN_ID,
+                     dtype=torch.int32, device=logits.device)
+    # vLLM's own greedy rule (rejection_sampler.py:469), on these argmax tokens.
+    _rejection_greedy_sample(out, spec.cu_num_draft_tokens, spec.draft_token_ids,
+                             best[spec.target_logits_indices],
+                             best[spec.bonus_logits_indices].reshape(-1, 1).contiguous(),
+                             None, spec.max_spec_len, None, None)
     return SamplerOutput(sampled_token_ids=out, logprobs_tensors=None)
-
-
-def greedy_tokens(target: Any, bonus: Any, drafts: Any, cu_drafts: Any, max_spec_len: int,
-                  placeholder: int) -> Any:
-    """vLLM's greedy rejection rule (rejection_greedy_sample_kernel) on argmax tokens:
-    [requests, max_spec_len + 1] int32, each row the drafts up to the first that differs from
-    the target's token at its position, then the target's token there, or the bonus token after
-    a row of drafts that all passed; `placeholder` after. target [drafts]: the target's token at
-    each draft position; bonus [requests]; cu_drafts [requests]: cumulative draft counts."""
-    import torch
-
-    dev = target.device
-    cu = cu_drafts.to(torch.long)
-    n = torch.diff(cu, prepend=cu.new_zeros(1))  # drafts per request
-    start = cu - n
-    miss = (drafts.to(torch.long) != target.to(torch.long)).to(torch.long)
-    base = torch.cat([miss.new_zeros(1), torch.cumsum(miss, 0)])  # misses before position j
-    tokens = torch.cat([target.to(torch.int32), target.new_zeros(1, dtype=torch.int32)])
-    k = torch.arange(max_spec_len + 1, device=dev)
-    j = (start[:, None] + k[None, :]).clamp(max=tokens.numel() - 1)  # absolute draft position
-    in_draft = k[None, :] < n[:, None]
-    # Output a draft position while nothing before it in its request missed: the drafts that
-    # passed, then the first miss's position, where `tokens` holds the target's own token.
-    keep = in_draft & (base[j] == base[start][:, None])
-    all_passed = base[cu] == base[start]
-    at_bonus = (k[None, :] == n[:, None]) & all_passed[:, None]
-    out = torch.where(keep, tokens[j], torch.full_like(j, placeholder, dtype=torch.int32))
-    return torch.where(at_bonus, bonus.to(torch.int32).reshape(-1, 1).expand_as(out), out)
