@@ -142,3 +142,46 @@ def test_fresh_prompts_serve_each_prompt_once_per_server(tmp_path):
     assert len(data.read_text().splitlines()) == 40 - 32
     with pytest.raises(ValueError, match="--fresh-prompts: .* no prompt left"):
         fresh_dataset(data, 8, tmp_path / "dry.jsonl")
+
+
+def test_the_budgets_choice_per_point_from_the_servers_metrics(tmp_path, monkeypatch):
+    """bench-serve reads the budget's option steps and prices out of /metrics as the server
+    exposes them (the real collector, prometheus' text format): the steps each option ran
+    between the point's two scrapes, its price in C's batch bucket, and per-repeat ratios to the
+    same repeat's nospec."""
+    pytest.importorskip("prometheus_client")
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from vllm_onlinespec.bench.concurrency import parse_metrics, spec_figures
+    from vllm_onlinespec.serving.metrics import ENV, MetricsWriter, OnlineSpecCollector
+    from vllm_onlinespec.serving.stats import CutterStats, OnlineSpecStats
+
+    monkeypatch.setenv(ENV, str(tmp_path))
+    reg = CollectorRegistry()
+    reg.register(OnlineSpecCollector())
+
+    def exposed(steps, prices):
+        MetricsWriter().write(OnlineSpecStats(cutter=CutterStats(
+            option_steps=steps, option_ms_per_token=prices)), {}, force=True)
+        return parse_metrics(generate_latest(reg).decode())
+
+    before = exposed({"plain": 5, "tree": 20}, {"tree@B4": 9.0})
+    after = exposed({"plain": 15, "tree": 50, "drafter": 10},
+                    {"plain@B4": 12.0, "tree@B4": 8.0, "drafter@B4": 20.0, "tree@B1": 30.0})
+    figs = spec_figures(before, after)
+    assert figs["option_steps"] == {"plain": 10.0, "tree": 30.0, "drafter": 10.0}
+    assert figs["option_ms_per_token"]["tree@B4"] == 8.0 and figs["option_ms_per_token"]["tree@B1"] == 30.0
+    assert spec_figures(before, before)["option_steps"] == {"plain": 0.0, "tree": 0.0}
+    assert spec_figures({}, {})["option_steps"] is None  # vLLM's own arms have no budget
+
+    pts = [_pt("nospec", 4, r, v) for r, v in enumerate([10.0, 20.0])]
+    pts += [_pt("frozen", 4, r, v) for r, v in enumerate([12.0, 18.0])]
+    for p, steps, price in zip(pts[2:], ({"plain": 10, "tree": 30}, {"tree": 50, "drafter": 10}),
+                               (8.0, 10.0)):
+        p.option_steps = steps
+        p.option_ms_per_token = {"tree@B4": price, "tree@B1": 99.0}
+    row = {(r.arm, r.concurrency): r for r in summarize(pts)}[("frozen", 4)]
+    assert row.vs_nospec_spread == (0.9, 1.2)  # 18/20 and 12/10, each against its own repeat
+    assert row.choice == {"drafter": 0.1, "plain": 0.1, "tree": 0.8}
+    assert row.option_ms_per_token == {"tree": 9.0}  # C = 4's bucket only, median of 8 and 10
+    assert "tree 0.80 (9.0 ms)" in markdown(pts)

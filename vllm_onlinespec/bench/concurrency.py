@@ -61,6 +61,10 @@ class Point:
     mean_verify_len: float | None = None  # onlinespec verify tokens per verify step
     verify_fraction: float | None = None  # verified / proposed draft tokens (policy cut)
     drafter_version: int | None = None  # at the end of the point
+    # the budget's choice over the point (policy/option_choice.py): steps each option ran, and
+    # each option's price per produced token at the end of the point, ms, by batch bucket
+    option_steps: dict[str, float] | None = None
+    option_ms_per_token: dict[str, float] | None = None
 
 
 # -- server ---------------------------------------------------------------------------------------
@@ -108,15 +112,38 @@ def stop(proc: subprocess.Popen) -> None:
             proc.wait()
 
 
-def scrape(url: str) -> dict[str, float]:
-    """Sum of each metric over its label sets (one engine, possibly several workers)."""
-    text = urllib.request.urlopen(url + "/metrics", timeout=10).read().decode()
+# labelled metrics kept apart by these labels ("name|tree", "name|tree@B8"), summed over workers
+OPTION_STEPS, OPTION_PRICE = "onlinespec:option_steps_total", "onlinespec:option_ms_per_token"
+
+
+def parse_metrics(text: str) -> dict[str, float]:
+    """Sum of each metric over its label sets (one engine, possibly several workers); the
+    budget's option metrics also per option (and batch bucket)."""
     out: dict[str, float] = {}
     for line in text.splitlines():
         m = re.match(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})? ([0-9.eE+-]+|NaN)$", line)
-        if m and m.group(3) != "NaN":
-            out[m.group(1)] = out.get(m.group(1), 0.0) + float(m.group(3))
+        if not m or m.group(3) == "NaN":
+            continue
+        name, value = m.group(1), float(m.group(3))
+        out[name] = out.get(name, 0.0) + value
+        if name in (OPTION_STEPS, OPTION_PRICE):
+            labels = dict(re.findall(r'(\w+)="([^"]*)"', m.group(2) or ""))
+            key = labels.get("option", "?") + (f"@B{labels['batch']}" if "batch" in labels else "")
+            out[f"{name}|{key}"] = out.get(f"{name}|{key}", 0.0) + value
     return out
+
+
+def scrape(url: str) -> dict[str, float]:
+    return parse_metrics(urllib.request.urlopen(url + "/metrics", timeout=10).read().decode())
+
+
+def option_figures(before: dict, after: dict) -> dict:
+    """Steps each of the budget's options ran between two scrapes, and each option's price at
+    the second (None for arms without the budget's choice)."""
+    steps = {k.split("|", 1)[1]: v - before.get(k, 0.0) for k, v in after.items()
+             if k.startswith(OPTION_STEPS + "|")}
+    prices = {k.split("|", 1)[1]: v for k, v in after.items() if k.startswith(OPTION_PRICE + "|")}
+    return {"option_steps": steps or None, "option_ms_per_token": prices or None}
 
 
 def spec_figures(before: dict, after: dict) -> dict:
@@ -129,7 +156,7 @@ def spec_figures(before: dict, after: dict) -> dict:
             "verify_fraction": (d["verify_tokens"] / d["proposed_tokens"]
                                 if d["proposed_tokens"] else None),
             "drafter_version": int(after[COUNTERS["version"]]) if COUNTERS["version"] in after
-            else None}
+            else None, **option_figures(before, after)}
 
 
 # -- client ---------------------------------------------------------------------------------------
@@ -300,6 +327,12 @@ class Row:
     verify_fraction: float | None
     vs_nospec: float | None  # median tok/s over the nospec arm's median at the same C
     vs_best_other: float | None  # over the best other arm's median at the same C
+    # min, max over repeats of tok/s over the same repeat's nospec (a round runs every arm's
+    # repeat r back to back, so these pairs share the box's state)
+    vs_nospec_spread: tuple[float, float] | None = None
+    choice: dict[str, float] | None = None  # share of steps each of the budget's options ran
+    # each option's price in C's batch bucket at the end of each repeat, median, ms per token
+    option_ms_per_token: dict[str, float] | None = None
 
 
 def _median(xs: list) -> float | None:
@@ -310,15 +343,41 @@ def _median(xs: list) -> float | None:
     return xs[m] if len(xs) % 2 else (xs[m - 1] + xs[m]) / 2
 
 
+def choice_shares(points: list[Point]) -> dict[str, float] | None:
+    """Share of the steps each of the budget's options ran, over these points."""
+    steps: dict[str, float] = {}
+    for p in points:
+        for o, n in (p.option_steps or {}).items():
+            steps[o] = steps.get(o, 0.0) + n
+    total = sum(steps.values())
+    return {o: round(n / total, 4) for o, n in sorted(steps.items())} if total > 0 else None
+
+
+def bucket_prices(points: list[Point], concurrency: int) -> dict[str, float] | None:
+    """Median over points of each option's price in the batch bucket C fills."""
+    from vllm_onlinespec.policy.cycle_overhead import batch_bucket
+
+    tag = f"@B{batch_bucket(concurrency)}"
+    per: dict[str, list[float]] = {}
+    for p in points:
+        for key, ms in (p.option_ms_per_token or {}).items():
+            if key.endswith(tag):
+                per.setdefault(key[: -len(tag)], []).append(ms)
+    return {o: round(_median(v), 3) for o, v in sorted(per.items())} or None
+
+
 def summarize(points: list[Point]) -> list[Row]:
     groups: dict[tuple[str, int], list[Point]] = {}
     for p in points:
         groups.setdefault((p.arm, p.concurrency), []).append(p)
     med = {k: _median([p.output_tok_s for p in ps]) for k, ps in groups.items()}
+    base = {(p.concurrency, p.repeat): p.output_tok_s for p in points if p.arm == "nospec"}
     rows = []
     for (arm, c), ps in groups.items():
         others = [v for (a, c2), v in med.items() if c2 == c and a != arm]
         nospec = med.get(("nospec", c))
+        paired = [p.output_tok_s / base[(c, p.repeat)] for p in ps
+                  if arm != "nospec" and base.get((c, p.repeat))]
         rows.append(Row(
             arm=arm, concurrency=c, repeats=len(ps), num_prompts=ps[0].num_prompts,
             failed=sum(p.failed for p in ps), tok_s=med[(arm, c)],
@@ -329,8 +388,18 @@ def summarize(points: list[Point]) -> list[Row]:
             mean_verify_len=_median([p.mean_verify_len for p in ps]),
             verify_fraction=_median([p.verify_fraction for p in ps]),
             vs_nospec=med[(arm, c)] / nospec if nospec and arm != "nospec" else None,
-            vs_best_other=med[(arm, c)] / max(others) if others else None))
+            vs_best_other=med[(arm, c)] / max(others) if others else None,
+            vs_nospec_spread=(round(min(paired), 4), round(max(paired), 4)) if paired else None,
+            choice=choice_shares(ps), option_ms_per_token=bucket_prices(ps, c)))
     return rows
+
+
+def _choice(r: Row) -> str:
+    if not r.choice:
+        return "-"
+    price = r.option_ms_per_token or {}
+    return ", ".join(f"{o} {share:.2f}" + (f" ({price[o]:.1f} ms)" if o in price else "")
+                     for o, share in r.choice.items())
 
 
 def _f(x, fmt=".2f"):
@@ -340,13 +409,18 @@ def _f(x, fmt=".2f"):
 def markdown(points: list[Point]) -> str:
     """The summary over repeats, then every repeat's figures."""
     head = ("| arm | C | repeats | failed | output tok/s median (min-max) | vs nospec "
-            "| vs best other | TPOT p50 ms | TPOT p99 ms | accept len | mean verify len "
-            "| verified/proposed |\n|---|---|---|---|---|---|---|---|---|---|---|---|\n")
+            "| vs nospec per repeat (min-max) | vs best other | TPOT p50 ms | TPOT p99 ms "
+            "| accept len | mean verify len | verified/proposed "
+            "| budget's choice (price in C's bucket, ms/token) |\n"
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n")
     summary = head + "\n".join(
         f"| {r.arm} | {r.concurrency} | {r.repeats} | {r.failed} | {r.tok_s:.1f} "
-        f"({r.tok_s_min:.1f}-{r.tok_s_max:.1f}) | {_f(r.vs_nospec)} | {_f(r.vs_best_other)} | "
+        f"({r.tok_s_min:.1f}-{r.tok_s_max:.1f}) | {_f(r.vs_nospec)} | "
+        f"{'-' if r.vs_nospec_spread is None else '%.2f-%.2f' % r.vs_nospec_spread} | "
+        f"{_f(r.vs_best_other)} | "
         f"{r.tpot_p50_ms:.1f} | {r.tpot_p99_ms:.1f} | {_f(r.acceptance_length)} | "
-        f"{_f(r.mean_verify_len)} | {_f(r.verify_fraction)} |" for r in summarize(points)) + "\n"
+        f"{_f(r.mean_verify_len)} | {_f(r.verify_fraction)} | {_choice(r)} |"
+        for r in summarize(points)) + "\n"
     head = ("| arm | C | repeat | prompts | failed | output tok/s | TPOT mean ms | TPOT p50 ms "
             "| TPOT p99 ms | accept len | mean verify len | verified/proposed | drafter version |\n"
             "|---|---|---|---|---|---|---|---|---|---|---|---|---|\n")
