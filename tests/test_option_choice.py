@@ -202,11 +202,36 @@ def test_until_measured_the_gates_pick_stands_and_unmeasured_options_are_measure
     assert picks[-1] == "drafter"
 
 
+def test_a_new_bucket_runs_what_won_in_the_nearest_measured_one():
+    """A closed batch's tail opens smaller buckets for a few steps each: there the step runs
+    the nearest measured bucket's winner (not the gate's pick) until its own options are
+    measured, then its own prices decide; 'gate' keeps the gate's pick."""
+    B8 = {"plain": (8, 0.080), "tree": (12, 0.095), "drafter": (13, 0.125)}  # tree cheapest
+    B2 = {"plain": (2, 0.050), "tree": (2.2, 0.060), "drafter": (4, 0.060)}  # drafter cheapest
+    for cold_pick, first in (("neighbour", "tree"), ("gate", "drafter")):
+        choice = OptionChoice(explore_every=16, min_cycles=4, cold_pick=cold_pick)
+        run(choice, B8, 200, batch=8, gate_pick="drafter")
+        picks = run(choice, B2, 60, batch=2, gate_pick="drafter")
+        assert picks[0] == first, cold_pick
+        assert picks[-10:].count("drafter") >= 9  # B2's own prices, once measured
+        assert choice.choose(2, "drafter").reason.startswith("options at B<=2")
+    nearest = OptionChoice(explore_every=16, min_cycles=4)
+    run(nearest, B8, 100, batch=8, gate_pick="drafter")
+    run(nearest, B2, 100, batch=2, gate_pick="drafter")
+    assert nearest.choose(1, "plain").option == "drafter"  # B2 (one bucket away), not B8
+    assert "best measured at B<=2" in nearest.choose(1, "plain").reason
+    assert nearest.choose(4, "plain").option == "tree"  # B8 and B2 equally near: the larger
+    fresh = OptionChoice(explore_every=16, min_cycles=4)
+    assert fresh.choose(8, "plain").option == "plain"  # nothing measured anywhere: the gate
+
+
 def test_options_are_validated():
     with pytest.raises(ValueError, match="options"):
         OptionChoice(options=("plain", "fast"))
     with pytest.raises(ValueError, match="explore_every"):
         OptionChoice(explore_every=1)
+    with pytest.raises(ValueError, match="cold_pick"):
+        OptionChoice(cold_pick="nearest")
     with pytest.raises(ConfigError, match="prompt_lookup"):
         OnlineSpecConfig.from_any({"length_head": {"policy": "budget", "options": ["tree"]}})
     with pytest.raises(ConfigError, match="twice"):

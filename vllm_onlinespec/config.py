@@ -136,6 +136,10 @@ class LengthHeadConfig(_Section):
         "every token it produced (throughput: a server with requests coming and going); "
         "'slowest' the batch size times the tokens of the request that gained the fewest (a "
         "closed batch's wall time, e.g. RL rollouts: the round ends with its last sequence)")
+    option_cold_pick: Literal["neighbour", "gate"] = Field(
+        "neighbour", description="'budget' gate's options: what a step runs in a batch bucket "
+        "whose options are not all measured yet: 'neighbour' what won in the nearest measured "
+        "bucket (the gate's pick where none is), 'gate' the gate's cost model's pick")
     explore_every: int = Field(32, ge=2, description="'budget' gate: while shut, every this-many"
                                "-th step drafts anyway to keep the estimate current (>= 2)")
     explore_requests: int = Field(2, ge=1, description="'budget' gate: requests whose full draft "

@@ -30,6 +30,8 @@
                                  plain / tree / drafter by measured cycles
     <arm>+slowest                that choice priced by the request that gained the fewest
                                  (option_objective 'slowest': a closed batch, RL rollouts)
+    <arm>+coldgate               a batch bucket not measured yet runs the gate's pick instead
+                                 of the nearest measured bucket's winner (option_cold_pick)
     <arm>+contextnow             a step that drafts nothing writes the drafter's context K/V
                                  at once (k0_step 'context_only') instead of deferring it
     <arm>+coupled                sampled requests verified drafter-invariantly get drafts drawn
@@ -135,6 +137,7 @@ ARM_SUFFIXES: dict[str, tuple[str, dict]] = {
     "+plainonly": ("length_head", {"options": ["plain"]}),
     "+treeonly": ("length_head", {"options": ["tree"]}),
     "+slowest": ("length_head", {"option_objective": "slowest"}),
+    "+coldgate": ("length_head", {"option_cold_pick": "gate"}),
     "+contextnow": ("length_head", {"k0_step": "context_only"}),
     # sampled requests: drafts drawn with the invariant verifier's own noise
     "+coupled": ("sampling", {"coupled_drafts": True}),
@@ -198,7 +201,8 @@ def _parse(name: str) -> tuple[str, dict | None]:
                      "frozen, k0, shadow, "
                      + ", ".join(f"online-{a}" for a in ALGORITHMS) + ", "
                      + ", ".join(POLICIES) + ", frozen-<policy>, and <our arm>+lookup, +tree, "
-                     "+nolookup, +confidence, +unpriced, +gateonly, +slowest, +contextnow or +coupled; "
+                     "+nolookup, +confidence, +unpriced, +gateonly, +slowest, +coldgate, +contextnow or "
+                     "+coupled; "
                      "any arm +iomp or +gomp")
 
 

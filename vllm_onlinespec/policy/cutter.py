@@ -77,7 +77,8 @@ class DraftCutter:
                 self.options = OptionChoice(
                     tuple(held), explore_every=getattr(length_cfg, "option_explore_every", 16),
                     regret=getattr(length_cfg, "option_regret", 0.01),
-                    objective=getattr(length_cfg, "option_objective", "tokens"))
+                    objective=getattr(length_cfg, "option_objective", "tokens"),
+                    cold_pick=getattr(length_cfg, "option_cold_pick", "neighbour"))
         self._next = GateDecision(K, False, "")
         self._base_tokens: int | None = None
         self.price_lookup = getattr(length_cfg, "price_lookup", True)

@@ -21,7 +21,13 @@ x / regret) steps of its bucket (at most 16 * explore_every), which keeps each o
 exploring under `regret` of the serving time (1 %: a drafter at 1.8x the plain price per token,
 as sampled rollouts on a 2-vCPU box measured, runs once in 80 steps instead of once in 32). An
 option with fewer than `min_cycles` measured cycles in a bucket is measured first, every
-explore_every / 4 steps; until every option has its cycles the gate's own choice stands.
+explore_every / 4 steps. Until every option has its cycles there, the step runs what won in the
+nearest bucket whose options are all measured (`cold_pick` 'neighbour'), or the gate's own
+choice where no bucket is measured yet ('gate': always). A closed batch of 8 greedy requests
+opens B4, B2 and B1 in its tail, a few steps each: the gate's cost model picked the drafter
+there at 1.4-2x the tree's measured price at B8 (9 of 16 and 18 of 25 drafter steps of a
+bench order were such steps, docs/results/dominance.md), while the tree was the cheapest
+measured option at B8 and B32 in both orders and at B1 in three of four (greedy and sampled).
 
 A step chooses before its drafts exist, so a 'tree' step whose tree matched nothing verifies
 nothing: it costs and produces what a plain cycle does (plus the tree's look-up, ~0.6 ms), and
@@ -95,6 +101,7 @@ class OptionChoice:
     half_life_steps: float = 128.0
     clip: float = 3.0  # a measured cycle counts at most this many times its price's mean cycle
     objective: str = "tokens"  # or "slowest": what a cycle's tokens count (module docstring)
+    cold_pick: str = "neighbour"  # or "gate": what runs in a bucket not yet measured
     prices: dict[tuple[str, int], OptionPrice] = field(default_factory=dict)
     chosen: dict[str, int] = field(default_factory=dict)  # steps run per option
     steps: int = 0
@@ -117,6 +124,9 @@ class OptionChoice:
         if self.objective not in ("tokens", "slowest"):
             raise ValueError(f"OptionChoice: objective must be 'tokens' or 'slowest' (got "
                              f"{self.objective!r})")
+        if self.cold_pick not in ("neighbour", "gate"):
+            raise ValueError(f"OptionChoice: cold_pick must be 'neighbour' or 'gate' (got "
+                             f"{self.cold_pick!r})")
         self.chosen = {o: self.chosen.get(o, 0) for o in self.options}
 
     def price(self, option: str, batch_size: int) -> OptionPrice:
@@ -131,8 +141,14 @@ class OptionChoice:
         prices = {o: self.price(o, batch_size) for o in self.options}
         b = batch_bucket(batch_size)
         n = self.bucket_steps[b] = self.bucket_steps.get(b, 0) + 1
-        measured = all(p.cycles >= self.min_cycles for p in prices.values())
-        best = max(self.options, key=lambda o: prices[o].rate) if measured else gate_pick
+        measured = self._measured(b)
+        cold = None if measured or self.cold_pick == "gate" else self._nearest_measured(b)
+        if measured:
+            best = max(self.options, key=lambda o: prices[o].rate)
+        elif cold is not None:
+            best = max(self.options, key=lambda o: self.prices[(o, cold)].rate)
+        else:
+            best = gate_pick
         rates = ", ".join(f"{o} {prices[o].rate:.1f}" + ("" if prices[o].cycles >= self.min_cycles
                                                           else f" ({prices[o].cycles} cycles)")
                           for o in self.options)
@@ -155,9 +171,23 @@ class OptionChoice:
                 every = self.interval(prices[best].rate, prices[pick].rate)
                 return self._run(pick, b, True, f"options at B<={b}: explore {pick} (1 step in "
                                                 f"{every}); measured tok/s {rates}")
-        why = "best measured" if measured else "the gate's pick until every option is measured"
+        why = ("best measured" if measured else f"best measured at B<={cold} until every option "
+               "is measured here" if cold is not None else "the gate's pick until every option "
+               "is measured")
         return self._run(best, b, False, f"options at B<={b}: {best} ({why}); measured tok/s "
                                          f"{rates}")
+
+    def _measured(self, bucket: int) -> bool:
+        return all(self.prices.get((o, bucket), OptionPrice()).cycles >= self.min_cycles
+                   for o in self.options)
+
+    def _nearest_measured(self, bucket: int) -> int | None:
+        """The measured bucket nearest `bucket` in powers of two (the larger on a tie: a wave's
+        tail comes from it)."""
+        done = {b for _, b in self.prices if b != bucket and self._measured(b)}
+        if not done:
+            return None
+        return min(done, key=lambda b: (abs(b.bit_length() - bucket.bit_length()), -b))
 
     def interval(self, best_rate: float, rate: float) -> int:
         """Steps between two exploring runs of an option measured at `rate` tokens/s where the
