@@ -225,11 +225,27 @@ def test_a_new_bucket_runs_what_won_in_the_nearest_measured_one():
     assert fresh.choose(8, "plain").option == "plain"  # nothing measured anywhere: the gate
 
 
+def test_a_drafting_option_must_beat_plain_by_the_margin():
+    """Within `margin` of plain's rate plain is chosen (what drafting costs outside the priced
+    cycles shows there); beyond it the drafting option; margin 0 keeps the bare best rate."""
+    close = {"plain": (8, 0.080), "tree": (8.3, 0.080), "drafter": (8, 0.100)}  # tree +3.75 %
+    clear = {"plain": (8, 0.080), "tree": (8.6, 0.080), "drafter": (8, 0.100)}  # tree +7.5 %
+    for table, margin, want in ((close, 0.05, "plain"), (close, 0.0, "tree"),
+                                (clear, 0.05, "tree")):
+        choice = OptionChoice(explore_every=16, min_cycles=4, margin=margin)
+        picks = run(choice, table, 300)
+        assert picks[-100:].count(want) >= 90, (margin, picks[-100:])
+    only_drafting = OptionChoice(options=("tree", "drafter"), explore_every=16, min_cycles=4)
+    assert run(only_drafting, close, 300)[-100:].count("tree") >= 90  # no plain to hold to
+
+
 def test_options_are_validated():
     with pytest.raises(ValueError, match="options"):
         OptionChoice(options=("plain", "fast"))
     with pytest.raises(ValueError, match="explore_every"):
         OptionChoice(explore_every=1)
+    with pytest.raises(ValueError, match="margin"):
+        OptionChoice(margin=1.0)
     with pytest.raises(ValueError, match="cold_pick"):
         OptionChoice(cold_pick="nearest")
     with pytest.raises(ConfigError, match="prompt_lookup"):

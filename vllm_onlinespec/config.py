@@ -140,6 +140,11 @@ class LengthHeadConfig(_Section):
         "neighbour", description="'budget' gate's options: what a step runs in a batch bucket "
         "whose options are not all measured yet: 'neighbour' what won in the nearest measured "
         "bucket (the gate's pick where none is), 'gate' the gate's cost model's pick")
+    option_margin: float = Field(0.05, ge=0.0, lt=1.0, description="'budget' gate's options: "
+                                 "the tree or the drafter is chosen over plain only where its "
+                                 "measured tokens per second beat plain's by this share: what "
+                                 "drafting costs outside the priced decode cycles (a batch's "
+                                 "tail, prefill steps) shows where the prices are close")
     explore_every: int = Field(32, ge=2, description="'budget' gate: while shut, every this-many"
                                "-th step drafts anyway to keep the estimate current (>= 2)")
     explore_requests: int = Field(2, ge=1, description="'budget' gate: requests whose full draft "

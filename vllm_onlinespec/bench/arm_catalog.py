@@ -32,6 +32,8 @@
                                  (option_objective 'slowest': a closed batch, RL rollouts)
     <arm>+coldgate               a batch bucket not measured yet runs the gate's pick instead
                                  of the nearest measured bucket's winner (option_cold_pick)
+    <arm>+nomargin               the tree or the drafter chosen over plain at any measured
+                                 gain, not only at 5 % (option_margin 0)
     <arm>+contextnow             a step that drafts nothing writes the drafter's context K/V
                                  at once (k0_step 'context_only') instead of deferring it
     <arm>+coupled                sampled requests verified drafter-invariantly get drafts drawn
@@ -138,6 +140,7 @@ ARM_SUFFIXES: dict[str, tuple[str, dict]] = {
     "+treeonly": ("length_head", {"options": ["tree"]}),
     "+slowest": ("length_head", {"option_objective": "slowest"}),
     "+coldgate": ("length_head", {"option_cold_pick": "gate"}),
+    "+nomargin": ("length_head", {"option_margin": 0.0}),
     "+contextnow": ("length_head", {"k0_step": "context_only"}),
     # sampled requests: drafts drawn with the invariant verifier's own noise
     "+coupled": ("sampling", {"coupled_drafts": True}),
@@ -201,7 +204,8 @@ def _parse(name: str) -> tuple[str, dict | None]:
                      "frozen, k0, shadow, "
                      + ", ".join(f"online-{a}" for a in ALGORITHMS) + ", "
                      + ", ".join(POLICIES) + ", frozen-<policy>, and <our arm>+lookup, +tree, "
-                     "+nolookup, +confidence, +unpriced, +gateonly, +slowest, +coldgate, +contextnow or "
+                     "+nolookup, +confidence, +unpriced, +gateonly, +slowest, +coldgate, +nomargin, "
+                     "+contextnow or "
                      "+coupled; "
                      "any arm +iomp or +gomp")
 

@@ -78,7 +78,8 @@ class DraftCutter:
                     tuple(held), explore_every=getattr(length_cfg, "option_explore_every", 16),
                     regret=getattr(length_cfg, "option_regret", 0.01),
                     objective=getattr(length_cfg, "option_objective", "tokens"),
-                    cold_pick=getattr(length_cfg, "option_cold_pick", "neighbour"))
+                    cold_pick=getattr(length_cfg, "option_cold_pick", "neighbour"),
+                    margin=getattr(length_cfg, "option_margin", 0.05))
         self._next = GateDecision(K, False, "")
         self._base_tokens: int | None = None
         self.price_lookup = getattr(length_cfg, "price_lookup", True)

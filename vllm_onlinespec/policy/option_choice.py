@@ -29,6 +29,16 @@ there at 1.4-2x the tree's measured price at B8 (9 of 16 and 18 of 25 drafter st
 bench order were such steps, docs/results/dominance.md), while the tree was the cheapest
 measured option at B8 and B32 in both orders and at B1 in three of four (greedy and sampled).
 
+A drafting option (tree, drafter) is chosen over plain only where its measured rate beats
+plain's by `margin` (5 %): its prices count decode cycles, and what drafting costs outside them
+shows only where the rates are close. Where the tree and plain were priced within 2 %, the
+preset lost to plain decoding by 10-22 % (batch 32 greedy offline, 0.87x nospec; 64 served
+requests in one wave, 0.78x, where the tree alone served 0.82-0.87x plain alone in the same
+worker at an equal TPOT: finishing some requests early leaves a tail of small, dear steps; and
+the prefill steps mixed with drafts go unpriced); where the tree beat plain by 20 % or more it
+paid (batch 1 and 8 greedy, 16 served requests with the server kept full). Tuned on those
+points' prices (docs/results/dominance.md, dominance_served.md), measured on other prompts.
+
 A step chooses before its drafts exist, so a 'tree' step whose tree matched nothing verifies
 nothing: it costs and produces what a plain cycle does (plus the tree's look-up, ~0.6 ms), and
 it is priced as one. That keeps the plain price current while the tree runs (plain is otherwise
@@ -102,6 +112,8 @@ class OptionChoice:
     clip: float = 3.0  # a measured cycle counts at most this many times its price's mean cycle
     objective: str = "tokens"  # or "slowest": what a cycle's tokens count (module docstring)
     cold_pick: str = "neighbour"  # or "gate": what runs in a bucket not yet measured
+    # a drafting option is chosen over plain only where its measured rate is this much higher
+    margin: float = 0.05
     prices: dict[tuple[str, int], OptionPrice] = field(default_factory=dict)
     chosen: dict[str, int] = field(default_factory=dict)  # steps run per option
     steps: int = 0
@@ -124,6 +136,8 @@ class OptionChoice:
         if self.objective not in ("tokens", "slowest"):
             raise ValueError(f"OptionChoice: objective must be 'tokens' or 'slowest' (got "
                              f"{self.objective!r})")
+        if not 0.0 <= self.margin < 1.0:
+            raise ValueError(f"OptionChoice: margin must be in [0, 1) (got {self.margin})")
         if self.cold_pick not in ("neighbour", "gate"):
             raise ValueError(f"OptionChoice: cold_pick must be 'neighbour' or 'gate' (got "
                              f"{self.cold_pick!r})")
@@ -144,9 +158,9 @@ class OptionChoice:
         measured = self._measured(b)
         cold = None if measured or self.cold_pick == "gate" else self._nearest_measured(b)
         if measured:
-            best = max(self.options, key=lambda o: prices[o].rate)
+            best = self._best({o: prices[o].rate for o in self.options})
         elif cold is not None:
-            best = max(self.options, key=lambda o: self.prices[(o, cold)].rate)
+            best = self._best({o: self.prices[(o, cold)].rate for o in self.options})
         else:
             best = gate_pick
         rates = ", ".join(f"{o} {prices[o].rate:.1f}" + ("" if prices[o].cycles >= self.min_cycles
@@ -176,6 +190,15 @@ class OptionChoice:
                "is measured")
         return self._run(best, b, False, f"options at B<={b}: {best} ({why}); measured tok/s "
                                          f"{rates}")
+
+    def _best(self, rates: dict[str, float]) -> str:
+        """The option with the best measured rate, a drafting one only where it beats plain's
+        by `margin` (module docstring)."""
+        plain = rates.get("plain")
+        if plain is None:
+            return max(rates, key=rates.__getitem__)
+        best = max((o for o in rates if o != "plain"), key=rates.__getitem__, default="plain")
+        return best if rates[best] > plain * (1.0 + self.margin) else "plain"
 
     def _measured(self, bucket: int) -> bool:
         return all(self.prices.get((o, bucket), OptionPrice()).cycles >= self.min_cycles
