@@ -173,6 +173,12 @@ def test_the_budgets_choice_per_point_from_the_servers_metrics(tmp_path, monkeyp
     assert figs["option_ms_per_token"]["tree@B4"] == 8.0 and figs["option_ms_per_token"]["tree@B1"] == 30.0
     assert spec_figures(before, before)["option_steps"] == {"plain": 0.0, "tree": 0.0}
     assert spec_figures({}, {})["option_steps"] is None  # vLLM's own arms have no budget
+    two_ranks = parse_metrics(
+        'onlinespec:option_ms_per_token{batch="8",option="tree",worker="1"} 4.0\n'
+        'onlinespec:option_ms_per_token{batch="8",option="tree",worker="2"} 6.0\n'
+        'onlinespec:option_steps_total{option="tree",worker="1"} 3.0\n'
+        'onlinespec:option_steps_total{option="tree",worker="2"} 3.0\n')
+    assert spec_figures({}, two_ranks)["option_ms_per_token"] == {"tree@B8": 5.0}  # averaged
 
     pts = [_pt("nospec", 4, r, v) for r, v in enumerate([10.0, 20.0])]
     pts += [_pt("frozen", 4, r, v) for r, v in enumerate([12.0, 18.0])]

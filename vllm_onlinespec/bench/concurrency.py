@@ -112,7 +112,8 @@ def stop(proc: subprocess.Popen) -> None:
             proc.wait()
 
 
-# labelled metrics kept apart by these labels ("name|tree", "name|tree@B8"), summed over workers
+# labelled metrics kept apart by these labels ("name|tree", "name|tree@B8"): steps summed over
+# workers (shares are what is read), prices averaged over them (tensor-parallel ranks each price)
 OPTION_STEPS, OPTION_PRICE = "onlinespec:option_steps_total", "onlinespec:option_ms_per_token"
 
 
@@ -120,6 +121,7 @@ def parse_metrics(text: str) -> dict[str, float]:
     """Sum of each metric over its label sets (one engine, possibly several workers); the
     budget's option metrics also per option (and batch bucket)."""
     out: dict[str, float] = {}
+    prices: dict[str, list[float]] = {}
     for line in text.splitlines():
         m = re.match(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})? ([0-9.eE+-]+|NaN)$", line)
         if not m or m.group(3) == "NaN":
@@ -128,8 +130,13 @@ def parse_metrics(text: str) -> dict[str, float]:
         out[name] = out.get(name, 0.0) + value
         if name in (OPTION_STEPS, OPTION_PRICE):
             labels = dict(re.findall(r'(\w+)="([^"]*)"', m.group(2) or ""))
-            key = labels.get("option", "?") + (f"@B{labels['batch']}" if "batch" in labels else "")
-            out[f"{name}|{key}"] = out.get(f"{name}|{key}", 0.0) + value
+            key = f"{name}|" + labels.get("option", "?") + (
+                f"@B{labels['batch']}" if "batch" in labels else "")
+            if name == OPTION_PRICE:
+                prices.setdefault(key, []).append(value)
+            else:
+                out[key] = out.get(key, 0.0) + value
+    out.update({k: sum(v) / len(v) for k, v in prices.items()})
     return out
 
 
