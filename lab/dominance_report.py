@@ -156,17 +156,22 @@ def page(rows: list[dict], args: argparse.Namespace) -> str:
         lines += [f"- {r['arm']}, batch {r['batch']}, T {r['temperature']:g}: "
                   + "; ".join(option_prices(p, r["batch"]) for p in r["option_ms_per_token"])
                   for r in priced]
-    lines += ["", "Goals: the preset (frozen, online) >= 0.99x the best other at every point; the "
-              "floor (k0) >= 0.98x nospec.", ""]
+    lines += goal_lines(rows, "point", lambda r: f"batch {r['batch']} T {r['temperature']:g}")
+    return "\n".join(lines) + "\n"
+
+
+def goal_lines(rows: list[dict], unit: str, where) -> list[str]:
+    """The issue's goals, one line per arm of ours and point (`where(row)` names the point)."""
+    lines = ["", f"Goals: the preset (frozen, online) >= 0.99x the best other at every {unit}; "
+             "the floor (k0) >= 0.98x nospec.", ""]
     for r in rows:
         if r["arm"].startswith(("frozen", "online", "k0")) and "vs_best_other" in r:
             floor = r["arm"].startswith("k0")  # k0 and its variants (k0+gomp)
-            goal = 0.98 if floor else 0.99
-            key = "vs_nospec" if floor else "vs_best_other"
+            key, goal = ("vs_nospec", 0.98) if floor else ("vs_best_other", 0.99)
             met = r[key]["median"] >= goal
-            lines.append(f"- {r['arm']} batch {r['batch']} T {r['temperature']:g}: "
-                         f"{key} {r[key]['median']:.2f}x -> {'met' if met else 'MISSED'}")
-    return "\n".join(lines) + "\n"
+            lines.append(f"- {r['arm']} {where(r)}: {key} {r[key]['median']:.2f}x -> "
+                         f"{'met' if met else 'MISSED'}")
+    return lines
 
 
 def main() -> int:
