@@ -8,7 +8,7 @@ import pytest
 from vllm_onlinespec.config import ConfigError, LengthHeadConfig, OnlineSpecConfig
 from vllm_onlinespec.policy.budget import StepCostModel
 from vllm_onlinespec.policy.cutter import DraftCutter
-from vllm_onlinespec.policy.option_choice import OptionChoice
+from vllm_onlinespec.policy.option_choice import OptionChoice, laggard_tokens
 from test_step_gate import K, stats_with_rate
 
 # (tokens per cycle, seconds per cycle) at batch 8: each table has another cheapest option.
@@ -102,6 +102,33 @@ def test_the_slowest_objective_prices_a_closed_batch_by_its_slowest_request():
         assert choice.ms_per_token()["plain@B8"] == pytest.approx(12.5)
     with pytest.raises(ValueError, match="objective"):
         OptionChoice(objective="latency")
+
+
+def test_auto_counts_a_closed_batch_by_its_laggard_and_an_open_one_by_every_token():
+    """Objective 'auto': the same measured cycles (batch 8, the tree's extra tokens all on
+    requests other than the one furthest from its end) choose the tree while new requests
+    arrive and plain once the batch is closed, from the next step on (every price keeps both
+    counts)."""
+    table = {"plain": (8, 1, 0.100), "tree": (12, 1, 0.110), "drafter": (13, 1, 0.160)}
+    choice = OptionChoice(explore_every=16, objective="auto")
+    picks = []
+    for step in range(600):
+        choice.closed = step >= 300
+        o = choice.choose(8, "tree").option
+        tokens, laggard, seconds = table[o]
+        choice.observe(o, 8, tokens, seconds, slowest=laggard)
+        picks.append(o)
+    assert picks[200:300].count("tree") >= 85 and picks[300:310].count("plain") >= 9, picks[290:310]
+    assert picks[-100:].count("plain") >= 85
+    # What the prices report stays every token's price.
+    assert choice.ms_per_token()["tree@B8"] == pytest.approx(110 / 12, rel=0.01)
+
+
+def test_laggard_tokens_are_those_of_the_request_furthest_from_its_end():
+    assert laggard_tokens([10, 30, 30], [5, 1, 2]) == 2.5  # a tie: the mean of 1 + accepted
+    assert laggard_tokens([10, 3], [0, 4]) == 1.0
+    assert laggard_tokens(None, [1]) is None and laggard_tokens([1], None) is None
+    assert laggard_tokens([1, None], [0, 0]) is None and laggard_tokens([1], [0, 0]) is None
 
 
 def test_a_price_holds_only_its_own_options_cycles():

@@ -95,7 +95,10 @@ def test_arm_names_say_where_they_leave_the_preset(tmp_path):
     assert not whole.length_head.price_lookup and whole.length_head.gate
     rollout = OnlineSpecConfig.from_any(make_arm("frozen+slowest", **kw).onlinespec)
     assert rollout.length_head.option_objective == "slowest"
-    assert alone.length_head.option_objective == "tokens"
+    assert alone.length_head.option_objective == "auto"  # the preset's
+    assert alone.length_head.option_closed_after == 8
+    every = OnlineSpecConfig.from_any(make_arm("frozen+tokens", **kw).onlinespec)
+    assert every.length_head.option_objective == "tokens" and every.length_head.policy == "budget"
     now = OnlineSpecConfig.from_any(make_arm("frozen+slowest+contextnow", **kw).onlinespec)
     assert now.length_head.k0_step == "context_only" and now.length_head.option_objective == "slowest"
     assert rollout.length_head.k0_step == "deferred"

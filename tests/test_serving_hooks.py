@@ -254,16 +254,55 @@ def bare_session(**over):
     return s
 
 
-def test_feedback_counts_what_the_step_produced_and_its_slowest_request():
+def test_feedback_counts_what_the_step_produced_and_each_requests_accepted_drafts():
     """The budget's option prices read these: every token the step produced (1 + accepted per
-    request) and the fewest one request produced (the 'slowest' objective)."""
+    request) and each request's accepted drafts in row order (the 'slowest' objective takes the
+    request furthest from its end)."""
     s = bare_session()
     s.after_step(None, make_view(num_draft=(3, 2)), [[7, 8, 9, -1], [5, -1, -1, -1]])
-    assert (s.feedback.last_yield, s.feedback.last_slowest) == (4, 1)
+    assert (s.feedback.last_yield, s.feedback.last_accepted) == (4, [2, 0])
     s.after_step(None, make_view(num_draft=(3, 2)), [[7, 8, 9, 6], [5, 4, 3, -1]])
-    assert (s.feedback.last_yield, s.feedback.last_slowest) == (7, 3)
+    assert (s.feedback.last_yield, s.feedback.last_accepted) == (7, [3, 2])
     s.after_step(None, None, None)  # no step view: unknown, not stale
-    assert (s.feedback.last_yield, s.feedback.last_slowest) == (None, None)
+    assert (s.feedback.last_yield, s.feedback.last_accepted) == (None, None)
+
+
+def test_tokens_left_reads_each_requests_limit_and_output_so_far():
+    """compat.tokens_left: max_tokens less the output tokens so far, per request in the order
+    asked; None where a request has no limit or is not in the batch."""
+    import numpy as np
+
+    from vllm_onlinespec.serving import compat
+
+    ib = SimpleNamespace(req_id_to_index={"a": 0, "b": 1, "c": 2},
+                         num_tokens_no_spec=np.array([15, 40, 9]),
+                         num_prompt_tokens=np.array([10, 8, 9]))
+    runner = SimpleNamespace(input_batch=ib, requests={
+        "a": SimpleNamespace(sampling_params=SimpleNamespace(max_tokens=64)),
+        "b": SimpleNamespace(sampling_params=SimpleNamespace(max_tokens=64)),
+        "c": SimpleNamespace(sampling_params=None)})
+    assert compat.tokens_left(runner, ["b", "a", "c", "gone"]) == [32, 59, None, None]
+    assert compat.step_admits(SimpleNamespace(scheduled_new_reqs=[object()]))
+    assert not compat.step_admits(SimpleNamespace(scheduled_new_reqs=[]))
+
+
+def test_a_batch_that_takes_no_new_request_counts_as_closed():
+    """DraftStage.note_admissions: objective 'auto' prices by the request furthest from its
+    end once no step scheduled a new request for option_closed_after steps."""
+    from vllm_onlinespec.policy.option_choice import OptionChoice
+    from vllm_onlinespec.serving.drafting import DraftStage
+
+    options = OptionChoice(objective="auto")
+    stage = SimpleNamespace(quiet_steps=0, closed_after=3,
+                            cutter=SimpleNamespace(options=options))
+    seen = []
+    for admitted in (True, False, False, False, False, True, False):
+        DraftStage.note_admissions(stage, admitted)
+        seen.append(options.counts_closed)
+    assert seen == [False, False, False, True, True, False, False]
+    assert DraftStage.counts_laggard.fget(stage)
+    stage.cutter.options = OptionChoice(objective="tokens")
+    assert not DraftStage.counts_laggard.fget(stage)
 
 
 def _boom(*a, **k):
@@ -628,13 +667,18 @@ def test_each_cycle_prices_the_option_it_verified_with_that_options_drafting_tim
         return drafts
 
     def after_step(runner, view, sampled):
-        session.feedback.last_yield, session.feedback.last_slowest = 12, 5
+        session.feedback.last_yield, session.feedback.last_accepted = 12, [4, 6]
 
+    # Request "b" is furthest from its end: the 'slowest' objective's tokens are its 1 + 6.
+    left = {"a": 20, "b": 30}
+    monkeypatch.setattr(runner_mod.compat, "tokens_left",
+                        lambda runner, req_ids: [left[r] for r in req_ids])
     session = SimpleNamespace(
         gate_drafting=lambda so, sampled=None: None, cut_drafts=cut, after_step=after_step,
-        capture=lambda runner: None, feedback=SimpleNamespace(last_yield=None, last_slowest=None),
+        capture=lambda runner: SimpleNamespace(req_ids=["a", "b"]),
+        feedback=SimpleNamespace(last_yield=None, last_accepted=None),
         drafting=SimpleNamespace(
-            times_cycles=True, observe_draft_time=lambda k, s: None,
+            times_cycles=True, counts_laggard=True, observe_draft_time=lambda k, s: None,
             observe_cycle=lambda *a, **k: None,
             observe_option=lambda o, B, tokens, s, slowest, drafts: priced.append(
                 (o, B, tokens, slowest, round(s, 6), drafts))))
@@ -654,8 +698,8 @@ def test_each_cycle_prices_the_option_it_verified_with_that_options_drafting_tim
     # drafting), 2 the tree's (0 + 0.005), 3 has prefill, 4 verifies cycle 3's drafter drafts.
     # Each verified 8 target tokens for 2 requests: 6 draft tokens (a tree cycle with none is
     # priced as plain by the choice).
-    assert priced == [("drafter", 2, 12, 5, 0.125, 6), ("tree", 2, 12, 5, 0.105, 6),
-                      ("drafter", 2, 12, 5, 0.135, 6)]
+    assert priced == [("drafter", 2, 12, 7.0, 0.125, 6), ("tree", 2, 12, 7.0, 0.105, 6),
+                      ("drafter", 2, 12, 7.0, 0.135, 6)]
     # The step profile splits the target span by what each step verified (cycle 0 and the
     # steps before any choice: no option), prefill apart.
     assert {k: v[0] for k, v in r.onlinespec_profile().options.items()} == {

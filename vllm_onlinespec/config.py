@@ -131,11 +131,16 @@ class LengthHeadConfig(_Section):
                                  "what exploring one option may cost, as a share of serving "
                                  "time: an option x more per token than the best runs once in "
                                  "x / option_regret steps when that is rarer (0 < r <= 1)")
-    option_objective: Literal["tokens", "slowest"] = Field(
+    option_objective: Literal["tokens", "slowest", "auto"] = Field(
         "tokens", description="'budget' gate's options: what a cycle's price counts: 'tokens' "
         "every token it produced (throughput: a server with requests coming and going); "
-        "'slowest' the batch size times the tokens of the request that gained the fewest (a "
-        "closed batch's wall time, e.g. RL rollouts: the round ends with its last sequence)")
+        "'slowest' the batch size times the tokens of the request furthest from its end (a "
+        "closed batch's wall time, e.g. RL rollouts: the round ends with its last sequence); "
+        "'auto' 'slowest' once no new request was scheduled for option_closed_after steps, "
+        "'tokens' otherwise")
+    option_closed_after: int = Field(8, ge=1, description="'budget' gate's options, objective "
+                                     "'auto': steps without a newly scheduled request after "
+                                     "which the batch counts as closed (>= 1)")
     option_cold_pick: Literal["neighbour", "gate"] = Field(
         "neighbour", description="'budget' gate's options: what a step runs in a batch bucket "
         "whose options are not all measured yet: 'neighbour' what won in the nearest measured "

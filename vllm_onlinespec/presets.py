@@ -47,7 +47,12 @@ LEARNER: dict = {
 # (docs/results/suffix_hybrid.md). The budget also prices the tree's drafts
 # (`length_head.price_lookup`, on by default): 1.12x / 1.23x the unpriced recipe at 4 / 32
 # concurrent requests under `vllm serve` (docs/results/priced_lookup.md).
-SERVING_CPU: dict = {"length_head": {"policy": "budget", "k_min": 0},
+# Its choice among plain / tree / drafter prices a closed batch (no new request for 8 steps:
+# RL rollouts, a wave sent together) by the request furthest from its end, every token
+# otherwise (`option_objective: "auto"`): 1.08x / 1.03x the every-token price on sampled RL
+# rollouts at 32 sequences (docs/results/rl_closed_batch.md), 1.10-1.16x at 4 and 16 served
+# requests in one or two waves, 0.90-1.03x at 64 (docs/results/dominance_served.md).
+SERVING_CPU: dict = {"length_head": {"policy": "budget", "k_min": 0, "option_objective": "auto"},
                      "prompt_lookup": {"enabled": True, "source": "suffix_tree"}}
 
 

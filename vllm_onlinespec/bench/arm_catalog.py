@@ -28,8 +28,12 @@
                                  decoding's rule) instead of pricing them
     <arm>+gateonly               the budget's cost-model gate alone, without the choice among
                                  plain / tree / drafter by measured cycles
-    <arm>+slowest                that choice priced by the request that gained the fewest
+    <arm>+slowest                that choice priced by the request furthest from its end
                                  (option_objective 'slowest': a closed batch, RL rollouts)
+    <arm>+auto                   priced so while the batch takes no new request, by every
+                                 token otherwise (option_objective 'auto', the cpu preset's)
+    <arm>+tokens                 priced by every token produced, whatever the batch
+                                 (option_objective 'tokens')
     <arm>+coldgate               a batch bucket not measured yet runs the gate's pick instead
                                  of the nearest measured bucket's winner (option_cold_pick)
     <arm>+nomargin               the tree or the drafter chosen over plain at any measured
@@ -139,6 +143,8 @@ ARM_SUFFIXES: dict[str, tuple[str, dict]] = {
     "+plainonly": ("length_head", {"options": ["plain"]}),
     "+treeonly": ("length_head", {"options": ["tree"]}),
     "+slowest": ("length_head", {"option_objective": "slowest"}),
+    "+auto": ("length_head", {"option_objective": "auto"}),
+    "+tokens": ("length_head", {"option_objective": "tokens"}),
     "+coldgate": ("length_head", {"option_cold_pick": "gate"}),
     "+nomargin": ("length_head", {"option_margin": 0.0}),
     "+contextnow": ("length_head", {"k0_step": "context_only"}),
@@ -204,7 +210,8 @@ def _parse(name: str) -> tuple[str, dict | None]:
                      "frozen, k0, shadow, "
                      + ", ".join(f"online-{a}" for a in ALGORITHMS) + ", "
                      + ", ".join(POLICIES) + ", frozen-<policy>, and <our arm>+lookup, +tree, "
-                     "+nolookup, +confidence, +unpriced, +gateonly, +slowest, +coldgate, +nomargin, "
+                     "+nolookup, +confidence, +unpriced, +gateonly, +slowest, +auto, +tokens, +coldgate, "
+                     "+nomargin, "
                      "+contextnow or "
                      "+coupled; "
                      "any arm +iomp or +gomp")

@@ -174,7 +174,7 @@ class DraftCutter:
         return self._next.option
 
     def observe_option(self, option: str, batch_size: int, tokens: int, seconds: float, *,
-                       slowest: int | None = None, drafts: int | None = None) -> None:
+                       slowest: float | None = None, drafts: int | None = None) -> None:
         """A measured cycle that verified `option`'s drafts (policy/option_choice.py)."""
         if self.options is not None:
             self.options.observe(option, batch_size, tokens, seconds, slowest=slowest,

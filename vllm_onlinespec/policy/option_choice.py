@@ -53,11 +53,17 @@ for as many of its cycles as the half-life.
 
 What a cycle's tokens count is the `objective`. 'tokens': every token produced, the throughput
 of a server whose requests come and go. 'slowest': the batch size times the tokens of the
-request that gained the fewest, for a closed batch that ends with its last sequence (RL
-rollouts). There a step's accepted drafts shorten the round only where they land on the
+request furthest from its end (the most tokens left to its max_tokens, the mean over a tie),
+for a closed batch that ends with its last sequence (RL rollouts, a wave of requests sent
+together). There a step's accepted drafts shorten the round only where they land on the
 sequence that ends last: on sampled rollouts at batch 8 the tree and the drafter produced 1.45
 tokens per request per step, yet the rounds took 185-188 steps against plain decoding's 194
-at 8-20 % more per step (docs/results/rl_objective.md). A plain step counts B under both.
+at 8-20 % more per step (docs/results/rl_objective.md); a CPU step's cost is mostly fixed
+(a batch-32 step ~90 ms where one request's costs ~40), so the requests that finish early
+leave steps barely cheaper. 'auto': 'slowest' while the batch is closed (no new request
+scheduled for `closed_after` steps: the caller sets `closed` each step), 'tokens' otherwise.
+Every price keeps both counts, so a switch reads a current price. A plain step counts B under
+each.
 
 Core module: no vLLM import.
 """
@@ -77,6 +83,8 @@ class OptionPrice:
     """Exponential averages of one option's measured cycles in one batch bucket."""
 
     tokens: float = 0.0  # tokens produced per cycle (accepted drafts + one per request)
+    # the batch size times the tokens of the request furthest from its end, per cycle
+    lagging: float = 0.0
     seconds: float = 0.0  # seconds per cycle
     cycles: int = 0
     last: int = 0  # the choice's step counter when this option last ran here
@@ -86,6 +94,12 @@ class OptionPrice:
     def rate(self) -> float:
         """Tokens per second (0 until measured)."""
         return self.tokens / self.seconds if self.seconds > 0 else 0.0
+
+    def rate_for(self, closed: bool) -> float:
+        """Tokens per second as a closed batch counts them (`lagging`) or as a server does."""
+        if not closed:
+            return self.rate
+        return self.lagging / self.seconds if self.seconds > 0 else 0.0
 
 
 @dataclass(frozen=True)
@@ -110,7 +124,8 @@ class OptionChoice:
     # (3 tokens a cycle where it had made 1.4) took 356 steps to be chosen, 96 with this.
     half_life_steps: float = 128.0
     clip: float = 3.0  # a measured cycle counts at most this many times its price's mean cycle
-    objective: str = "tokens"  # or "slowest": what a cycle's tokens count (module docstring)
+    objective: str = "tokens"  # or "slowest" / "auto": what a cycle's tokens count (docstring)
+    closed: bool = False  # the batch takes no new requests now ('auto' reads it; caller sets)
     cold_pick: str = "neighbour"  # or "gate": what runs in a bucket not yet measured
     # a drafting option is chosen over plain only where its measured rate is this much higher
     margin: float = 0.05
@@ -133,9 +148,9 @@ class OptionChoice:
             raise ValueError("OptionChoice: want explore_every >= 2, min_cycles >= 1, "
                              "half_life_cycles > 0, half_life_steps > 0, 0 < regret <= 1 "
                              "and clip > 1")
-        if self.objective not in ("tokens", "slowest"):
-            raise ValueError(f"OptionChoice: objective must be 'tokens' or 'slowest' (got "
-                             f"{self.objective!r})")
+        if self.objective not in ("tokens", "slowest", "auto"):
+            raise ValueError(f"OptionChoice: objective must be 'tokens', 'slowest' or 'auto' "
+                             f"(got {self.objective!r})")
         if not 0.0 <= self.margin < 1.0:
             raise ValueError(f"OptionChoice: margin must be in [0, 1) (got {self.margin})")
         if self.cold_pick not in ("neighbour", "gate"):
@@ -157,15 +172,17 @@ class OptionChoice:
         n = self.bucket_steps[b] = self.bucket_steps.get(b, 0) + 1
         measured = self._measured(b)
         cold = None if measured or self.cold_pick == "gate" else self._nearest_measured(b)
+        closed = self.counts_closed
+        rate = {o: prices[o].rate_for(closed) for o in self.options}
         if measured:
-            best = self._best({o: prices[o].rate for o in self.options})
+            best = self._best(rate)
         elif cold is not None:
-            best = self._best({o: self.prices[(o, cold)].rate for o in self.options})
+            best = self._best({o: self.prices[(o, cold)].rate_for(closed) for o in self.options})
         else:
             best = gate_pick
-        rates = ", ".join(f"{o} {prices[o].rate:.1f}" + ("" if prices[o].cycles >= self.min_cycles
-                                                          else f" ({prices[o].cycles} cycles)")
-                          for o in self.options)
+        rates = ", ".join(f"{o} {rate[o]:.1f}" + ("" if prices[o].cycles >= self.min_cycles
+                                                   else f" ({prices[o].cycles} cycles)")
+                          for o in self.options) + (" (closed batch)" if closed else "")
         others = [o for o in self.options if o != best]
         if not measured:
             # Unmeasured options are measured 4x as often: a new bucket has prices within
@@ -177,12 +194,11 @@ class OptionChoice:
                 return self._run(pick, b, True, f"options at B<={b}: explore {pick} (1 step in "
                                                 f"{every} until measured); measured tok/s {rates}")
         else:
-            due = {o: n - prices[o].last - self.interval(prices[best].rate, prices[o].rate)
-                   for o in others}
+            due = {o: n - prices[o].last - self.interval(rate[best], rate[o]) for o in others}
             due = {o: late for o, late in due.items() if late >= 0}
             if due:  # the most overdue
                 pick = max(due, key=lambda o: (due[o], -prices[o].last))
-                every = self.interval(prices[best].rate, prices[pick].rate)
+                every = self.interval(rate[best], rate[pick])
                 return self._run(pick, b, True, f"options at B<={b}: explore {pick} (1 step in "
                                                 f"{every}); measured tok/s {rates}")
         why = ("best measured" if measured else f"best measured at B<={cold} until every option "
@@ -190,6 +206,11 @@ class OptionChoice:
                "is measured")
         return self._run(best, b, False, f"options at B<={b}: {best} ({why}); measured tok/s "
                                          f"{rates}")
+
+    @property
+    def counts_closed(self) -> bool:
+        """Whether a cycle's tokens count as a closed batch's now (module docstring)."""
+        return self.objective == "slowest" or (self.objective == "auto" and self.closed)
 
     def _best(self, rates: dict[str, float]) -> str:
         """The option with the best measured rate, a drafting one only where it beats plain's
@@ -232,17 +253,16 @@ class OptionChoice:
     def observe(self, option: str, batch_size: int, tokens: float, seconds: float, *,
                 slowest: float | None = None, drafts: int | None = None) -> None:
         """One measured cycle that verified `option`'s drafts: `tokens` produced in `seconds`
-        (its drafting included), `slowest` of them by the request that gained the fewest,
-        `drafts` the draft tokens it verified (None: not known). A 'tree' cycle that verified
-        none is priced as plain (module docstring). Cycles with prefill must not come here
-        (not comparable)."""
+        (its drafting included), `slowest` of them by the request furthest from its end
+        (`laggard_tokens`; None: not known, counted as the mean), `drafts` the draft tokens it
+        verified (None: not known). A 'tree' cycle that verified none is priced as plain
+        (module docstring). Cycles with prefill must not come here (not comparable)."""
         if option == "tree" and drafts == 0 and "plain" in self.options:
             option = "plain"
             self.tree_as_plain += 1
         if option not in self.options or batch_size <= 0 or not seconds > 0 or tokens < 0:
             return
-        if self.objective == "slowest" and slowest is not None:
-            tokens = batch_size * slowest
+        lagging = float(tokens) if slowest is None else batch_size * float(slowest)
         p = self.price(option, batch_size)
         if p.cycles >= self.min_cycles and seconds > self.clip * p.seconds:
             seconds = self.clip * p.seconds
@@ -251,9 +271,10 @@ class OptionChoice:
         d = 0.5 ** max(1.0 / self.half_life_cycles, (now - p.seen) / self.half_life_steps)
         p.seen = now
         if p.cycles == 0:
-            p.tokens, p.seconds = float(tokens), float(seconds)
+            p.tokens, p.lagging, p.seconds = float(tokens), lagging, float(seconds)
         else:
             p.tokens = d * p.tokens + (1 - d) * float(tokens)
+            p.lagging = d * p.lagging + (1 - d) * lagging
             p.seconds = d * p.seconds + (1 - d) * float(seconds)
         p.cycles += 1
 
@@ -266,3 +287,14 @@ class OptionChoice:
         """Fraction of the choice's steps each option ran."""
         n = max(1, sum(self.chosen.values()))
         return {o: round(c / n, 4) for o, c in self.chosen.items()}
+
+
+def laggard_tokens(left: list[int | None] | None, accepted: list[int] | None) -> float | None:
+    """Tokens one cycle produced for the request furthest from its end: 1 + its accepted
+    drafts, `left` each request's tokens to its max_tokens before the cycle (the mean over the
+    requests that tie for the most); None where either list is missing or they disagree."""
+    if not left or not accepted or len(left) != len(accepted) or any(x is None for x in left):
+        return None
+    most = max(left)
+    lag = [a for x, a in zip(left, accepted) if x == most]
+    return 1.0 + sum(lag) / len(lag)

@@ -27,6 +27,10 @@ class DraftStage:
         self.cfg, self.runner, self.cutter, self.lookup = cfg, runner, cutter, lookup
         self.drafter_k, self.K, self.guard = drafter_k, K, guard
         self.tp = tp  # the TP group (None: one rank)
+        # Steps since one scheduled a new request: the budget's 'auto' objective counts a
+        # batch that took none for option_closed_after steps as closed (option_choice.py).
+        self.quiet_steps = 0
+        self.closed_after = getattr(getattr(cfg, "length_head", None), "option_closed_after", 8)
 
     def gate(self, scheduler_output: Any, sampled: Any = None) -> tuple[Any, int] | None:
         """(the scheduler output vLLM's drafter should see, the draft length k it asks for),
@@ -42,6 +46,7 @@ class DraftStage:
             return compat.with_spec_tokens(scheduler_output, 0), 0
         k = self.drafter_k
         if self.cutter.policy_name == "budget":
+            self.note_admissions(compat.step_admits(scheduler_output))
             B, base = compat.step_token_counts(scheduler_output)
             k = min(k, self.agree(self.cutter.plan_next(B, base)).k)
         if (k and sampled is not None and self.lookup is not None
@@ -54,6 +59,20 @@ class DraftStage:
         if k >= self.K:
             return None
         return compat.with_spec_tokens(scheduler_output, k), k
+
+    @property
+    def counts_laggard(self) -> bool:
+        """Whether the budget's prices need each cycle's tokens for the request furthest from
+        its end (objective 'slowest' or 'auto')."""
+        options = getattr(self.cutter, "options", None)
+        return options is not None and options.objective != "tokens"
+
+    def note_admissions(self, admitted: bool) -> None:
+        """This step scheduled a new request (or not): whether the batch is closed now."""
+        self.quiet_steps = 0 if admitted else self.quiet_steps + 1
+        options = getattr(self.cutter, "options", None)
+        if options is not None:
+            options.closed = self.quiet_steps >= self.closed_after
 
     def agree(self, decision: Any) -> Any:
         """Under tensor parallelism every rank drafts what rank 0 decided: the gate and the
@@ -114,10 +133,10 @@ class DraftStage:
         return self.cutter.next_option
 
     def observe_option(self, option: str, batch_size: int, tokens: int, seconds: float, *,
-                       slowest: int | None = None, drafts: int | None = None) -> None:
+                       slowest: float | None = None, drafts: int | None = None) -> None:
         """A whole engine cycle without prefill that verified `option`'s drafts (`drafts`
-        draft tokens) produced `tokens` tokens in `seconds` (`slowest`: the fewest of one
-        request), its drafting included (policy/option_choice.py)."""
+        draft tokens) produced `tokens` tokens in `seconds` (`slowest`: those of the request
+        furthest from its end), its drafting included (policy/option_choice.py)."""
         self.cutter.observe_option(option, batch_size, tokens, seconds, slowest=slowest,
                                    drafts=drafts)
 

@@ -173,12 +173,12 @@ class FeedbackStage:
         self.feature_log, self.learner, self.buffer, self.guard = feature_log, learner, buffer, guard
         self.pipe = FeedbackPipe()  # a step's feedback, held one step on GPU
         self.last_yield: int | None = None  # tokens the last step produced (None: unknown)
-        self.last_slowest: int | None = None  # tokens of its request that produced the fewest
+        self.last_accepted: list[int] | None = None  # its accepted drafts per request (rows)
 
     def observe(self, view: StepView | None, sampled: Any, drafted_by: int) -> None:
         """drafted_by: the drafter version that proposed the drafts this step verified (vLLM
         drafts at the end of a step, before that step's publish)."""
-        self.last_yield = self.last_slowest = None
+        self.last_yield = self.last_accepted = None
         if view is None:
             return
         if self.lookup is not None:  # before any early return: finished texts must not pile up
@@ -188,7 +188,7 @@ class FeedbackStage:
             return
         accepted = compat.accepted_counts(sampled, view.num_draft_tokens)
         self.last_yield = len(accepted) + sum(accepted)  # tokens this step produced
-        self.last_slowest = 1 + min(accepted) if accepted else None
+        self.last_accepted = accepted
         self.cutter.observe(self._drafter_rows(view, accepted), accepted, view.req_ids)
         self.cutter.forget(view.finished_req_ids)
         if self.tracer is not None:

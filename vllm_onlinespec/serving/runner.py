@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from vllm_onlinespec.policy.cycle_overhead import batch_bucket
+from vllm_onlinespec.policy.option_choice import laggard_tokens
 from vllm_onlinespec.serving import compat
 from vllm_onlinespec.serving import guard as G
 from vllm_onlinespec.serving.guard import HookGuard
@@ -215,11 +216,14 @@ class OnlineSpecRunnerMixin:
         self._onlinespec_init()
         t0 = time.perf_counter()
         guard, session = self._onlinespec_guard, self._onlinespec
-        view = None
+        view = left = None
         self._onlinespec_sampled = None
         if session is not None:
             with guard(G.CAPTURE), self._onlinespec_profile.ours(inside_sample_tokens=True):
                 view = session.capture(self)
+                if (view is not None and self._onlinespec_cycle is not None
+                        and session.drafting.counts_laggard):
+                    left = compat.tokens_left(self, view.req_ids)  # before the sample books
                 if view is not None and _copies_features(session):
                     # Before vLLM's sampler and drafter run (both inside super().sample_tokens):
                     # on GPU the drafter's CUDA graphs replay into the pool that holds the
@@ -231,7 +235,8 @@ class OnlineSpecRunnerMixin:
                 session.after_step(self, view, self._onlinespec_sampled)
                 if self._onlinespec_cycle is not None:
                     self._onlinespec_cycle.produced = session.feedback.last_yield
-                    self._onlinespec_cycle.slowest = session.feedback.last_slowest
+                    self._onlinespec_cycle.slowest = laggard_tokens(
+                        left, session.feedback.last_accepted)
         with guard(G.SAMPLE):
             self._onlinespec_profile.sample_tokens_s += time.perf_counter() - t0
         return out
@@ -321,7 +326,7 @@ class _Cycle:
     draft_s: float = 0.0
     decode_only: bool = False
     produced: int | None = None  # tokens the step produced (1 + accepted per request)
-    slowest: int | None = None  # the fewest one request produced
+    slowest: float | None = None  # what the request furthest from its end produced
     reqs: frozenset = frozenset()  # the requests it scheduled
 
     @property

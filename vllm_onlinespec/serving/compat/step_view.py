@@ -101,6 +101,28 @@ def step_token_counts(scheduler_output: Any) -> tuple[int, int]:
     return B, max(B, int(scheduler_output.total_num_scheduled_tokens) - spec)
 
 
+def step_admits(scheduler_output: Any) -> bool:
+    """Whether a step schedules a request for the first time (sched/output.py
+    `scheduled_new_reqs`)."""
+    return bool(getattr(scheduler_output, "scheduled_new_reqs", None))
+
+
+def tokens_left(runner: Any, req_ids: list[str]) -> list[int | None]:
+    """Each request's tokens left to its max_tokens before this step samples (None: no limit
+    known), from the runner's request state and the input batch's counts."""
+    ib = runner.input_batch
+    out: list[int | None] = []
+    for r in req_ids:
+        params = getattr(runner.requests.get(r), "sampling_params", None)
+        limit = getattr(params, "max_tokens", None)
+        i = ib.req_id_to_index.get(r)
+        if limit is None or i is None:
+            out.append(None)
+            continue
+        out.append(int(limit) - (int(ib.num_tokens_no_spec[i]) - int(ib.num_prompt_tokens[i])))
+    return out
+
+
 def step_req_ids(scheduler_output: Any) -> frozenset:
     """The ids of the requests a step schedules."""
     return frozenset(scheduler_output.num_scheduled_tokens)
