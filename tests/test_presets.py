@@ -95,8 +95,9 @@ def test_arm_names_say_where_they_leave_the_preset(tmp_path):
     assert not whole.length_head.price_lookup and whole.length_head.gate
     rollout = OnlineSpecConfig.from_any(make_arm("frozen+slowest", **kw).onlinespec)
     assert rollout.length_head.option_objective == "slowest"
-    assert alone.length_head.option_objective == "auto"  # the preset's
-    assert alone.length_head.option_closed_after == 8
+    assert alone.length_head.option_objective == "tokens"  # the preset's
+    auto = OnlineSpecConfig.from_any(make_arm("frozen+auto", **kw).onlinespec)
+    assert auto.length_head.option_objective == "auto" and auto.length_head.option_closed_after == 8
     every = OnlineSpecConfig.from_any(make_arm("frozen+tokens", **kw).onlinespec)
     assert every.length_head.option_objective == "tokens" and every.length_head.policy == "budget"
     now = OnlineSpecConfig.from_any(make_arm("frozen+slowest+contextnow", **kw).onlinespec)

@@ -47,12 +47,13 @@ LEARNER: dict = {
 # (docs/results/suffix_hybrid.md). The budget also prices the tree's drafts
 # (`length_head.price_lookup`, on by default): 1.12x / 1.23x the unpriced recipe at 4 / 32
 # concurrent requests under `vllm serve` (docs/results/priced_lookup.md).
-# Its choice among plain / tree / drafter prices a closed batch (no new request for 8 steps:
-# RL rollouts, a wave sent together) by the request furthest from its end, every token
-# otherwise (`option_objective: "auto"`): 1.08x / 1.03x the every-token price on sampled RL
-# rollouts at 32 sequences (docs/results/rl_closed_batch.md), 1.10-1.16x at 4 and 16 served
-# requests in one or two waves, 0.90-1.03x at 64 (docs/results/dominance_served.md).
-SERVING_CPU: dict = {"length_head": {"policy": "budget", "k_min": 0, "option_objective": "auto"},
+# Its choice among plain / tree / drafter prices every token a cycle produced. Pricing a closed
+# batch by the request furthest from its end (`option_objective: "auto"`) served 1.08x / 1.03x
+# that on sampled RL rollouts at 32 sequences (docs/results/rl_closed_batch.md) and 1.10-1.16x
+# at 4 and 16 served requests in one or two waves, but 0.90-1.03x at 64 and 0.86x / 0.98x at
+# batch 8 greedy offline, where the tree pays on most requests (docs/results/dominance.md): not
+# the default until a whole comparison says so; set it for RL rollouts.
+SERVING_CPU: dict = {"length_head": {"policy": "budget", "k_min": 0},
                      "prompt_lookup": {"enabled": True, "source": "suffix_tree"}}
 
 

@@ -31,9 +31,9 @@
     <arm>+slowest                that choice priced by the request furthest from its end
                                  (option_objective 'slowest': a closed batch, RL rollouts)
     <arm>+auto                   priced so while the batch takes no new request, by every
-                                 token otherwise (option_objective 'auto', the cpu preset's)
+                                 token otherwise (option_objective 'auto')
     <arm>+tokens                 priced by every token produced, whatever the batch
-                                 (option_objective 'tokens')
+                                 (option_objective 'tokens', the cpu preset's)
     <arm>+coldgate               a batch bucket not measured yet runs the gate's pick instead
                                  of the nearest measured bucket's winner (option_cold_pick)
     <arm>+nomargin               the tree or the drafter chosen over plain at any measured
